@@ -1,0 +1,60 @@
+//! A private directory in bpffs for one sandbox's pins, removed on drop.
+
+use std::path::{Path, PathBuf};
+
+pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
+
+/// Mounts bpffs at [`BPFFS_ROOT`] when it is not mounted yet.
+pub fn ensure_bpffs() {
+    if bpffs_mounted() {
+        return;
+    }
+    let out = std::process::Command::new("mount")
+        .args(["-t", "bpf", "bpf", BPFFS_ROOT])
+        .output()
+        .expect("run mount");
+    // Another test process may have mounted it in the meantime.
+    assert!(
+        out.status.success() || bpffs_mounted(),
+        "cannot mount bpffs at {BPFFS_ROOT} (needs root): {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+}
+
+fn bpffs_mounted() -> bool {
+    std::fs::read_to_string("/proc/mounts")
+        .expect("read /proc/mounts")
+        .lines()
+        .any(|l| {
+            let mut f = l.split_whitespace().skip(1);
+            f.next() == Some(BPFFS_ROOT) && f.next() == Some("bpf")
+        })
+}
+
+#[derive(Debug)]
+pub struct BpffsDir {
+    path: PathBuf,
+}
+
+impl BpffsDir {
+    pub fn new(name: &str) -> Self {
+        ensure_bpffs();
+        let path = Path::new(BPFFS_ROOT).join(name);
+        std::fs::create_dir_all(&path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+        Self { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for BpffsDir {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_dir_all(&self.path)
+            && e.kind() != std::io::ErrorKind::NotFound
+        {
+            eprintln!("warning: remove {}: {e}", self.path.display());
+        }
+    }
+}

@@ -1,0 +1,219 @@
+//! TCP and UDP echo servers that say who they are and whom they saw, and the
+//! clients that talk to them.
+//!
+//! Protocol (both transports): for every request line (TCP) or datagram
+//! (UDP) the server answers `"<server-name> <peer-ip>:<peer-port> <request>\n"`.
+//! The peer is the source address the server's socket saw, which is what
+//! SNAT/source-preservation tests assert on.
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    os::fd::AsRawFd as _,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    thread::JoinHandle,
+    time::Duration,
+};
+
+use crate::netns::NetNs;
+
+/// How long a client waits for a connect or an answer.
+pub const CLIENT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// What an echo server answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EchoReply {
+    /// The server's name (the pod name, usually).
+    pub server: String,
+    /// The source address the server saw.
+    pub peer: SocketAddrV4,
+    pub payload: String,
+}
+
+impl EchoReply {
+    fn parse(line: &str) -> Self {
+        let mut parts = line.trim_end_matches('\n').splitn(3, ' ');
+        let server = parts.next().unwrap_or_default().to_owned();
+        let peer = parts
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("malformed echo reply {line:?}"));
+        let payload = parts.next().unwrap_or_default().to_owned();
+        Self {
+            server,
+            peer,
+            payload,
+        }
+    }
+}
+
+fn answer(server: &str, peer: SocketAddr, request: &str) -> String {
+    format!("{server} {peer} {request}\n")
+}
+
+/// A running echo server; stopped (socket closed, thread joined) on drop.
+#[derive(Debug)]
+pub struct EchoServer {
+    pub addr: SocketAddrV4,
+    stop: Arc<AtomicBool>,
+    fd: i32,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl EchoServer {
+    /// Starts a TCP echo server named `name` listening on `addr` in `ns`.
+    pub fn tcp(ns: &NetNs, name: &str, addr: SocketAddrV4) -> Self {
+        let listener = ns
+            .run(|| TcpListener::bind(addr))
+            .unwrap_or_else(|e| panic!("bind tcp {addr} in {}: {e}", ns.name()));
+        let fd = listener.as_raw_fd();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (name, stop2) = (name.to_owned(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Relaxed) {
+                    break;
+                }
+                let Ok(conn) = conn else { continue };
+                let name = name.clone();
+                std::thread::spawn(move || serve_tcp(&name, conn));
+            }
+        });
+        Self {
+            addr,
+            stop,
+            fd,
+            thread: Some(thread),
+        }
+    }
+
+    /// Starts a UDP echo server named `name` bound to `addr` in `ns`.
+    pub fn udp(ns: &NetNs, name: &str, addr: SocketAddrV4) -> Self {
+        let socket = ns
+            .run(|| UdpSocket::bind(addr))
+            .unwrap_or_else(|e| panic!("bind udp {addr} in {}: {e}", ns.name()));
+        let fd = socket.as_raw_fd();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (name, stop2) = (name.to_owned(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            while !stop2.load(Ordering::Relaxed) {
+                let Ok((n, peer)) = socket.recv_from(&mut buf) else {
+                    continue;
+                };
+                if n == 0 && stop2.load(Ordering::Relaxed) {
+                    break;
+                }
+                let request = String::from_utf8_lossy(&buf[..n]);
+                let _ = socket.send_to(answer(&name, peer, request.trim_end()).as_bytes(), peer);
+            }
+        });
+        Self {
+            addr,
+            stop,
+            fd,
+            thread: Some(thread),
+        }
+    }
+}
+
+fn serve_tcp(name: &str, conn: TcpStream) {
+    let Ok(peer) = conn.peer_addr() else { return };
+    let Ok(mut writer) = conn.try_clone() else { return };
+    for line in BufReader::new(conn).lines() {
+        let Ok(line) = line else { return };
+        if writer.write_all(answer(name, peer, &line).as_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+impl Drop for EchoServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // shutdown(2) wakes a thread blocked in accept(2)/recvfrom(2).
+        // SAFETY: the fd stays open until the thread (which owns it) exits.
+        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// One TCP connection from a namespace, for several request/response rounds.
+#[derive(Debug)]
+pub struct TcpClient {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+}
+
+impl TcpClient {
+    /// Connects from `ns` to `dst` (optionally from a fixed `src`).
+    pub fn connect(ns: &NetNs, dst: SocketAddrV4) -> std::io::Result<Self> {
+        let stream = ns.run(|| TcpStream::connect_timeout(&dst.into(), CLIENT_TIMEOUT))?;
+        stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+        stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+        Ok(Self {
+            writer: stream.try_clone()?,
+            reader: BufReader::new(stream),
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.writer.local_addr().expect("local addr")
+    }
+
+    /// Sends one line and reads the answer.
+    pub fn request(&mut self, payload: &str) -> std::io::Result<EchoReply> {
+        self.writer.write_all(format!("{payload}\n").as_bytes())?;
+        let mut line = String::new();
+        if self.reader.read_line(&mut line)? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        Ok(EchoReply::parse(&line))
+    }
+}
+
+/// Connects, sends one request, returns the answer, closes.
+pub fn tcp_request(ns: &NetNs, dst: SocketAddrV4, payload: &str) -> std::io::Result<EchoReply> {
+    TcpClient::connect(ns, dst)?.request(payload)
+}
+
+/// A UDP socket in a namespace, connected to one destination.
+#[derive(Debug)]
+pub struct UdpClient {
+    socket: UdpSocket,
+}
+
+impl UdpClient {
+    pub fn connect(ns: &NetNs, dst: SocketAddrV4) -> std::io::Result<Self> {
+        let socket = ns.run(|| -> std::io::Result<UdpSocket> {
+            let s = UdpSocket::bind("0.0.0.0:0")?;
+            s.connect(dst)?;
+            Ok(s)
+        })?;
+        socket.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+        Ok(Self { socket })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.socket.local_addr().expect("local addr")
+    }
+
+    /// Sends one datagram and waits for the answer. An ICMP error from the
+    /// path surfaces as the `io::Error` (e.g. `ConnectionRefused`).
+    pub fn request(&self, payload: &str) -> std::io::Result<EchoReply> {
+        self.socket.send(payload.as_bytes())?;
+        let mut buf = [0u8; 2048];
+        let n = self.socket.recv(&mut buf)?;
+        Ok(EchoReply::parse(&String::from_utf8_lossy(&buf[..n])))
+    }
+}
+
+/// One UDP request/response from a fresh socket.
+pub fn udp_request(ns: &NetNs, dst: SocketAddrV4, payload: &str) -> std::io::Result<EchoReply> {
+    UdpClient::connect(ns, dst)?.request(payload)
+}

@@ -1,0 +1,78 @@
+//! The test harness every end-to-end test uses: a small cluster in network
+//! namespaces on one machine ([`cluster::Cluster`]), echo servers that report
+//! the source address they saw and clients to reach them ([`echo`]), and
+//! cleanup guaranteed by RAII (also on panic). Leftovers of a process that
+//! died without unwinding (SIGKILL) are swept by the next sandbox.
+//!
+//! Every name a sandbox creates starts with `dpt-<pid>-<seq>`, so tests can run
+//! in parallel and a sweep can tell a dead owner from a live one.
+
+pub mod bpffs;
+pub mod cluster;
+pub mod echo;
+pub mod netns;
+
+use std::sync::{
+    Once,
+    atomic::{AtomicU32, Ordering},
+};
+
+/// Prefix of every namespace and bpffs directory the harness creates.
+pub const NAME_PREFIX: &str = "dpt-";
+
+/// A fresh `dpt-<pid>-<seq>` prefix; the first call also sweeps leftovers
+/// of dead test processes.
+pub fn unique_prefix() -> String {
+    static SEQ: AtomicU32 = AtomicU32::new(0);
+    static SWEEP: Once = Once::new();
+    SWEEP.call_once(sweep_orphans);
+    format!(
+        "{NAME_PREFIX}{}-{}",
+        std::process::id(),
+        SEQ.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Panics, saying why, unless this process can create network namespaces and
+/// load BPF programs. Privileged tests never pass by skipping.
+pub fn require_privileges() {
+    // SAFETY: plain syscall.
+    let euid = unsafe { libc::geteuid() };
+    assert!(
+        euid == 0,
+        "this test needs root (network namespaces, BPF, bpffs); run it as root, e.g. `sudo -E cargo xtask test`"
+    );
+    assert!(
+        std::path::Path::new("/sys/kernel/btf/vmlinux").exists(),
+        "this kernel has no BTF (/sys/kernel/btf/vmlinux missing): the datapath needs CONFIG_DEBUG_INFO_BTF=y"
+    );
+}
+
+/// Deletes namespaces and bpffs directories whose owning process is gone.
+fn sweep_orphans() {
+    let owner_dead = |name: &str| -> bool {
+        let Some(rest) = name.strip_prefix(NAME_PREFIX) else {
+            return false;
+        };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<u32>().ok()) else {
+            return false;
+        };
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    };
+    if let Ok(dir) = std::fs::read_dir("/run/netns") {
+        for name in dir.flatten().filter_map(|e| e.file_name().into_string().ok()) {
+            if owner_dead(&name) {
+                let _ = std::process::Command::new("ip")
+                    .args(["netns", "del", &name])
+                    .output();
+            }
+        }
+    }
+    if let Ok(dir) = std::fs::read_dir(bpffs::BPFFS_ROOT) {
+        for entry in dir.flatten() {
+            if entry.file_name().to_str().is_some_and(owner_dead) {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+}

@@ -1,0 +1,87 @@
+//! The harness itself: topology, echo servers, cleanup.
+
+use std::net::SocketAddrV4;
+
+use dataplane_tests::{
+    cluster::{Cluster, NODE_IPS},
+    echo::{EchoServer, tcp_request, udp_request},
+};
+
+#[test]
+fn pods_reach_each_other_across_nodes_and_servers_see_real_sources() {
+    let mut cluster = Cluster::new();
+    let a = cluster.add_pod(0, "a");
+    let b = cluster.add_pod(1, "b");
+    let (pa, pb) = (&cluster.pods[a], &cluster.pods[b]);
+    let tcp = EchoServer::tcp(&pb.ns, "b", SocketAddrV4::new(pb.ip, 8080));
+    let udp = EchoServer::udp(&pb.ns, "b", SocketAddrV4::new(pb.ip, 5353));
+
+    let reply = tcp_request(&pa.ns, tcp.addr, "hello").expect("pod a -> pod b over TCP");
+    assert_eq!(reply.server, "b");
+    assert_eq!(*reply.peer.ip(), pa.ip, "no NAT between pods: b sees a's address");
+    assert_eq!(reply.payload, "hello");
+
+    let reply = udp_request(&pa.ns, udp.addr, "ping").expect("pod a -> pod b over UDP");
+    assert_eq!((reply.server.as_str(), *reply.peer.ip()), ("b", pa.ip));
+}
+
+#[test]
+fn client_reaches_nodes_on_the_lan_but_not_pods() {
+    let mut cluster = Cluster::new();
+    let p = cluster.add_pod(0, "p");
+    let node = &cluster.nodes[0];
+    let server = EchoServer::tcp(node.ns(), "node1", SocketAddrV4::new(NODE_IPS[0], 9000));
+    let reply = tcp_request(&cluster.client.ns, server.addr, "x").expect("client -> node1");
+    assert_eq!(*reply.peer.ip(), cluster.client.ip);
+
+    // The client has no route to pod CIDRs: only Services expose pods.
+    let pod = &cluster.pods[p];
+    let _pod_server = EchoServer::tcp(&pod.ns, "p", SocketAddrV4::new(pod.ip, 8080));
+    let err = tcp_request(&cluster.client.ns, SocketAddrV4::new(pod.ip, 8080), "x")
+        .expect_err("client must not reach a pod directly");
+    assert_eq!(err.kind(), std::io::ErrorKind::NetworkUnreachable, "{err}");
+}
+
+#[test]
+fn dropping_the_cluster_removes_every_namespace_and_pin_dir() {
+    let (prefix, bpffs) = {
+        let mut cluster = Cluster::new();
+        cluster.add_pod(0, "a");
+        cluster.add_pod(1, "b");
+        let ns_count = std::fs::read_dir("/run/netns")
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(cluster.prefix()))
+            .count();
+        assert_eq!(ns_count, 6, "switch, client, 2 nodes, 2 pods");
+        assert!(cluster.bpffs.path().is_dir());
+        (cluster.prefix().to_owned(), cluster.bpffs.path().to_owned())
+    };
+    let left: Vec<_> = std::fs::read_dir("/run/netns")
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(&prefix))
+        .collect();
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    assert!(!bpffs.exists(), "bpffs dir left behind: {}", bpffs.display());
+}
+
+#[test]
+fn cleanup_also_happens_when_a_test_panics() {
+    let prefix = std::sync::Mutex::new(String::new());
+    let result = std::panic::catch_unwind(|| {
+        let cluster = Cluster::new();
+        *prefix.lock().unwrap() = cluster.prefix().to_owned();
+        panic!("simulated test failure");
+    });
+    assert!(result.is_err());
+    let prefix = prefix.into_inner().unwrap();
+    assert!(!prefix.is_empty());
+    let left = std::fs::read_dir("/run/netns")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .count();
+    assert_eq!(left, 0, "namespaces left behind after a panic");
+}
