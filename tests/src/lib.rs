@@ -50,7 +50,7 @@ pub fn require_privileges() {
 
 /// Deletes namespaces and bpffs directories whose owning process is gone.
 fn sweep_orphans() {
-    let owner_dead = |name: &str| -> bool {
+    remove_matching(|name| {
         let Some(rest) = name.strip_prefix(NAME_PREFIX) else {
             return false;
         };
@@ -58,10 +58,20 @@ fn sweep_orphans() {
             return false;
         };
         !std::path::Path::new(&format!("/proc/{pid}")).exists()
-    };
+    });
+}
+
+/// Deletes every namespace and bpffs directory this process created; for a
+/// signal handler that exits without unwinding.
+pub fn remove_own() {
+    let own = format!("{NAME_PREFIX}{}-", std::process::id());
+    remove_matching(|name| name.starts_with(&own));
+}
+
+fn remove_matching(matches: impl Fn(&str) -> bool) {
     if let Ok(dir) = std::fs::read_dir("/run/netns") {
         for name in dir.flatten().filter_map(|e| e.file_name().into_string().ok()) {
-            if owner_dead(&name) {
+            if matches(&name) {
                 let _ = std::process::Command::new("ip")
                     .args(["netns", "del", &name])
                     .output();
@@ -70,9 +80,30 @@ fn sweep_orphans() {
     }
     if let Ok(dir) = std::fs::read_dir(bpffs::BPFFS_ROOT) {
         for entry in dir.flatten() {
-            if entry.file_name().to_str().is_some_and(owner_dead) {
+            if entry.file_name().to_str().is_some_and(&matches) {
                 let _ = std::fs::remove_dir_all(entry.path());
             }
         }
+    }
+}
+
+/// Makes SIGINT and SIGTERM remove this process's sandboxes before exiting
+/// (Drop does not run when a signal kills the process). Call before spawning
+/// threads, so they inherit the blocked mask.
+pub fn cleanup_on_signal() {
+    // SAFETY: signal mask manipulation with valid, initialised sets.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        std::thread::spawn(move || {
+            let mut sig = 0;
+            libc::sigwait(&set, &mut sig);
+            eprintln!("\ninterrupted: removing the sandbox");
+            remove_own();
+            std::process::exit(128 + sig);
+        });
     }
 }

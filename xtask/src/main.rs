@@ -1,1 +1,70 @@
-fn main() {}
+//! `cargo xtask`: the project's own automation. Every command first checks the
+//! toolchain (and installs what is missing), so a fresh machine needs nothing
+//! done by hand.
+mod build_ebpf;
+mod cmd;
+mod demo;
+mod setup;
+mod test;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cargo xtask", about = "Build, test and demo the dataplane")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check every prerequisite and install what is missing (idempotent).
+    ///
+    /// Debian packages (LLVM 22 dev libraries, iproute2, ...), rust-src for the
+    /// nightly toolchain, bpf-linker 0.13 built against LLVM 22.
+    Setup {
+        /// Only check; fail instead of installing.
+        #[arg(long)]
+        check: bool,
+    },
+    /// Build the kernel object (release, with BTF) and print where it is.
+    BuildEbpf,
+    /// Run everything CI runs: rustfmt, clippy (host and eBPF), unit tests,
+    /// BPF_PROG_TEST_RUN packet tests and end-to-end tests (needs root).
+    Test {
+        /// Extra arguments for `cargo test` (e.g. a test name filter).
+        #[arg(last = true)]
+        cargo_test_args: Vec<String>,
+    },
+    /// Build a sandbox cluster in network namespaces and show the dataplane at
+    /// work (needs root).
+    Demo {
+        /// Extra arguments for the demo binary (see `cargo xtask demo -- --help`).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Setup { check } => setup::run(if check {
+            setup::Mode::Check
+        } else {
+            setup::Mode::Install
+        }),
+        Command::BuildEbpf => {
+            setup::run(setup::Mode::Install)?;
+            let object = build_ebpf::build()?;
+            println!("{}", object.display());
+            Ok(())
+        }
+        Command::Test { cargo_test_args } => {
+            setup::run(setup::Mode::Install)?;
+            test::run(&cargo_test_args)
+        }
+        Command::Demo { args } => {
+            setup::run(setup::Mode::Install)?;
+            demo::run(&args)
+        }
+    }
+}
