@@ -16,7 +16,9 @@ struct Tally {
 
 pub fn run(cargo_test_args: &[String]) -> anyhow::Result<()> {
     let mut tally = Tally::default();
-    step("rustfmt", || cmd::run(cmd::cargo().args(["fmt", "--all", "--", "--check"])))?;
+    step("rustfmt", || {
+        cmd::run(cmd::cargo().args(["fmt", "--all", "--", "--check"]))
+    })?;
     step("clippy (host crates)", || {
         cmd::run(cmd::cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))
     })?;
@@ -31,7 +33,14 @@ pub fn run(cargo_test_args: &[String]) -> anyhow::Result<()> {
     step("unit tests", || {
         cargo_test(
             cmd::cargo()
-                .args(["test", "--workspace", "--exclude", "dataplane-tests", "--exclude", "dataplane-ebpf"])
+                .args([
+                    "test",
+                    "--workspace",
+                    "--exclude",
+                    "dataplane-tests",
+                    "--exclude",
+                    "dataplane-ebpf",
+                ])
                 .args(["--lib", "--bins", "--tests"])
                 .args(cargo_test_args),
             &mut tally,
@@ -67,7 +76,9 @@ fn cargo_test(command: &mut Command, tally: &mut Tally) -> anyhow::Result<()> {
         if let Some(rest) = line.strip_prefix("test result: ") {
             for part in rest.split(';') {
                 let mut words = part.split_whitespace().rev();
-                let (Some(kind), Some(n)) = (words.next(), words.next()) else { continue };
+                let (Some(kind), Some(n)) = (words.next(), words.next()) else {
+                    continue;
+                };
                 let Ok(n) = n.parse::<u64>() else { continue };
                 match kind {
                     "passed" => tally.passed += n,
