@@ -1,6 +1,7 @@
 //! `dataplane-agent`: parses the command line and dispatches.
 use anyhow::Context as _;
 use clap::{Parser, Subcommand};
+use dataplane_common::names;
 
 #[derive(Parser)]
 #[command(
@@ -30,14 +31,9 @@ fn main() -> anyhow::Result<()> {
             let datapath = dataplane_agent::dataplane::Datapath::load()
                 .context("the datapath cannot be loaded on this machine")?;
             println!("ok: eBPF object loaded and verified");
-            for (index, counter) in datapath.xdp_counters()? {
-                println!(
-                    "  counter {:<6} packets={} bytes={}",
-                    index.name(),
-                    counter.packets,
-                    counter.bytes
-                );
-            }
+            let programs = [names::XDP_INGRESS, names::TC_EGRESS, names::TC_POD_INGRESS];
+            println!("  programs: {}", programs.join(", "));
+            println!("  counters: {} (all zero: nothing attached)", datapath.maps().counters()?.len());
             Ok(())
         }
     }

@@ -4,19 +4,75 @@
 //! asserted at compile time: a layout change must be a deliberate, versioned
 //! change (new map name suffix), never a silent reinterpretation of a pinned
 //! map. Addresses and ports inside map keys and values are in network byte
-//! order; the agent converts once when it writes.
+//! order (stored as the raw `u32`/`u16` read from the packet); the agent
+//! converts once when it writes. Slots, ids, counts, flags and timestamps are
+//! in host order.
 #![no_std]
 
+pub mod config;
+pub mod ct;
+pub mod lb4;
 pub mod stats;
 
 /// Names of the maps and programs, as they appear in the object file and
 /// under the pin directory. The `_V<n>` suffix is bumped on layout changes.
 pub mod names {
-    /// Per-CPU array of [`crate::stats::Counter`], indexed by
-    /// [`crate::stats::CounterIndex`].
-    pub const XDP_COUNTERS: &str = "XDP_COUNTERS_V1";
-    /// The XDP entry point attached to a node's external devices.
-    pub const XDP_PROG: &str = "xdp_ingress";
+    pub const LB4_SERVICES: &str = "LB4_SERVICES_V1";
+    pub const LB4_BACKENDS: &str = "LB4_BACKENDS_V1";
+    pub const LB4_AFFINITY: &str = "LB4_AFFINITY_V1";
+    pub const LB4_SOURCE_RANGES: &str = "LB4_SOURCE_RANGES_V1";
+    pub const CT4: &str = "CT4_V1";
+    pub const CONFIG: &str = "DP_CONFIG_V1";
+    /// Per-CPU array of [`crate::stats::Counter`] indexed by [`crate::stats::Event`].
+    pub const COUNTERS: &str = "DP_COUNTERS_V1";
+    /// Per-CPU array of [`crate::stats::Counter`] indexed by service id.
+    pub const SERVICE_STATS: &str = "LB4_SERVICE_STATS_V1";
+
+    /// Every map the agent pins, in the order it creates them.
+    pub const ALL_MAPS: [&str; 8] = [
+        CONFIG,
+        LB4_BACKENDS,
+        LB4_SERVICES,
+        LB4_AFFINITY,
+        LB4_SOURCE_RANGES,
+        CT4,
+        COUNTERS,
+        SERVICE_STATS,
+    ];
+
+    /// XDP on the node's external devices: north-south translation.
+    pub const XDP_INGRESS: &str = "xdp_ingress";
+    /// TC egress on the node's external devices: reverse translation of
+    /// replies that leave through them (backends on this node).
+    pub const TC_EGRESS: &str = "tc_egress";
+    /// TC ingress on pod-facing host interfaces: reverse translation of
+    /// replies from backends on this node before the host routes them.
+    pub const TC_POD_INGRESS: &str = "tc_pod_ingress";
+}
+
+/// IP protocol numbers the datapath handles.
+pub mod proto {
+    pub const ICMP: u8 = 1;
+    pub const TCP: u8 = 6;
+    pub const UDP: u8 = 17;
+    pub const SCTP: u8 = 132;
+}
+
+/// Default map capacities; the agent may size maps at load time.
+pub mod limits {
+    /// Service ports (service ids); also the size of the per-service stats.
+    pub const MAX_SERVICES: u32 = 65_536;
+    /// Backends (endpoint ip:port:proto), ids 1..MAX_BACKENDS.
+    pub const MAX_BACKENDS: u32 = 131_072;
+    /// Frontend + backend slot entries in the services map.
+    pub const MAX_SERVICE_ENTRIES: u32 = 524_288;
+    /// Backend slots one frontend may have (larger sets are rejected by the agent).
+    pub const MAX_BACKENDS_PER_SERVICE: u16 = 4096;
+    pub const CT_ENTRIES: u32 = 262_144;
+    pub const AFFINITY_ENTRIES: u32 = 65_536;
+    pub const SOURCE_RANGE_ENTRIES: u32 = 16_384;
+    /// SNAT ports are tried this many times before a new flow is dropped.
+    pub const SNAT_ATTEMPTS: u32 = 16;
 }
 
 /// Compile-time layout check: `assert_layout!(Type, size, align)`.
@@ -27,5 +83,17 @@ macro_rules! assert_layout {
             assert!(core::mem::size_of::<$t>() == $size);
             assert!(core::mem::align_of::<$t>() == $align);
         };
+    };
+}
+
+/// `unsafe impl aya::Pod` for ABI structs (userspace only).
+#[macro_export]
+macro_rules! impl_pod {
+    ($($t:ty),+ $(,)?) => {
+        $(
+            #[cfg(feature = "user")]
+            // SAFETY: repr(C), no padding holes, every bit pattern valid.
+            unsafe impl aya::Pod for $t {}
+        )+
     };
 }

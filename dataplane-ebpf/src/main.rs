@@ -1,21 +1,54 @@
 //! Entry points of the kernel programs. Only thin wrappers live here: each one
-//! calls the real function and turns its result into a verdict, counting what
-//! happened.
+//! calls the real function, counts what happened, and returns its verdict.
 #![no_std]
 #![no_main]
 
+mod csum;
+mod ct;
+mod icmp;
+mod ingress;
+mod lb;
+mod maps;
+mod nat;
+mod packet;
+mod reply;
 mod stats;
 
-use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
-use dataplane_common::stats::CounterIndex;
+use aya_ebpf::{
+    macros::{classifier, xdp},
+    programs::{TcContext, XdpContext},
+};
+use dataplane_common::stats::Event;
 
-/// North-south entry point on the node's external devices.
+/// North-south translation on the node's external devices.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
     let len = (ctx.data_end() - ctx.data()) as u64;
-    stats::count(CounterIndex::Rx, len);
-    stats::count(CounterIndex::Pass, len);
-    xdp_action::XDP_PASS
+    stats::count(Event::XdpRx, len);
+    let (action, event) = ingress::run(&ctx);
+    stats::count(event, len);
+    action
+}
+
+/// Replies leaving through an external device (host-network backends).
+#[classifier]
+pub fn tc_egress(ctx: TcContext) -> i32 {
+    tc_reply(ctx)
+}
+
+/// Replies from backends on this node, before the host routes them.
+#[classifier]
+pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
+    tc_reply(ctx)
+}
+
+#[inline(always)]
+fn tc_reply(ctx: TcContext) -> i32 {
+    let len = ctx.len() as u64;
+    stats::count(Event::TcRx, len);
+    let (action, event) = reply::run(&ctx);
+    stats::count(event, len);
+    action
 }
 
 #[cfg(not(test))]

@@ -1,18 +1,26 @@
 //! Per-CPU counters. No atomics needed: each CPU owns its slot.
 
-use aya_ebpf::{macros::map, maps::PerCpuArray};
-use dataplane_common::stats::{Counter, CounterIndex, XDP_COUNTER_SLOTS};
+use dataplane_common::stats::{Counter, Event};
 
-#[map(name = "XDP_COUNTERS_V1")]
-static XDP_COUNTERS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(XDP_COUNTER_SLOTS, 0);
+use crate::maps::{COUNTERS, SERVICE_STATS};
 
 #[inline(always)]
-pub fn count(index: CounterIndex, bytes: u64) {
-    if let Some(c) = XDP_COUNTERS.get_ptr_mut(index as u32) {
+fn bump(c: Option<*mut Counter>, bytes: u64) {
+    if let Some(c) = c {
         // SAFETY: per-CPU slot, only this CPU writes it while we run.
         unsafe {
             (*c).packets += 1;
             (*c).bytes += bytes;
         }
     }
+}
+
+#[inline(always)]
+pub fn count(event: Event, bytes: u64) {
+    bump(COUNTERS.get_ptr_mut(event as u32), bytes);
+}
+
+#[inline(always)]
+pub fn count_service(service_id: u32, bytes: u64) {
+    bump(SERVICE_STATS.get_ptr_mut(service_id), bytes);
 }

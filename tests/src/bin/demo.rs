@@ -5,7 +5,7 @@
 use std::net::SocketAddrV4;
 
 use dataplane_agent::dataplane::Datapath;
-use dataplane_common::stats::CounterIndex;
+use dataplane_common::stats::Event;
 use dataplane_tests::{
     cleanup_on_signal,
     cluster::{Cluster, EXTERNAL_DEVICE},
@@ -44,7 +44,7 @@ fn main() {
         .map(|node| {
             let mut dp = Datapath::load().expect("load the datapath (root, BTF kernel)");
             node.ns()
-                .run(|| dp.attach_xdp(EXTERNAL_DEVICE))
+                .run(|| dp.attach_external(EXTERNAL_DEVICE))
                 .expect("attach XDP");
             dp
         })
@@ -80,8 +80,8 @@ fn main() {
         "node", "counter", "packets", "bytes"
     );
     for (node, dp) in cluster.nodes.iter().zip(&datapaths) {
-        for index in CounterIndex::ALL {
-            let c = dp.xdp_counter(index).expect("read counters");
+        for index in [Event::XdpRx, Event::Pass] {
+            let c = dp.maps().counter(index).expect("read counters");
             println!(
                 "{:<8} {:>10} {:>10} {:>10}",
                 node.name,

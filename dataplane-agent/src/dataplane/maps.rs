@@ -1,0 +1,530 @@
+//! Typed access to the datapath's maps: the one place that knows the byte
+//! order and layout of every key and value.
+//!
+//! Writes are ordered so that a packet never sees a half-written service:
+//! backends first, then backend slots, then the frontend (slot 0) that makes
+//! them reachable; removal in reverse.
+
+use std::{net::Ipv4Addr, num::NonZeroU32, time::Duration};
+
+use aya::maps::{Array, HashMap, LpmTrie, MapData, MapError, PerCpuArray, lpm_trie::Key};
+use dataplane_common::{
+    config::{Cidr4, DpConfig, MAX_SERVICE_CIDRS, config_flags},
+    ct::{Ct4Entry, Ct4Key},
+    lb4::{
+        Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData, backend_flags,
+        scope, service_flags,
+    },
+    limits, names,
+    stats::{Counter, Event},
+};
+
+use super::DatapathError;
+use crate::net::{Ipv4Cidr, Protocol};
+
+/// Node-wide settings of the datapath.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DatapathConfig {
+    /// Source address of SNATed flows (the node's primary IP).
+    pub snat_ip: Ipv4Addr,
+    /// Where pods come from; `None`: no source counts as a pod.
+    pub cluster_cidr: Option<Ipv4Cidr>,
+    /// Traffic to an address in these that no Service holds is dropped.
+    pub service_cidrs: Vec<Ipv4Cidr>,
+    pub masquerade_all: bool,
+    /// SNAT source ports (inclusive).
+    pub snat_ports: (u16, u16),
+    pub ct_tcp_timeout: Duration,
+    pub ct_tcp_close_timeout: Duration,
+    pub ct_udp_timeout: Duration,
+}
+
+impl DatapathConfig {
+    pub fn new(snat_ip: Ipv4Addr) -> Self {
+        Self {
+            snat_ip,
+            cluster_cidr: None,
+            service_cidrs: Vec::new(),
+            masquerade_all: false,
+            snat_ports: DpConfig::DEFAULT_SNAT_PORTS,
+            ct_tcp_timeout: Duration::from_secs(DpConfig::DEFAULT_TCP_TIMEOUT_S as u64),
+            ct_tcp_close_timeout: Duration::from_secs(DpConfig::DEFAULT_TCP_CLOSE_TIMEOUT_S as u64),
+            ct_udp_timeout: Duration::from_secs(DpConfig::DEFAULT_UDP_TIMEOUT_S as u64),
+        }
+    }
+
+    fn to_abi(&self) -> Result<DpConfig, DatapathError> {
+        if self.service_cidrs.len() > MAX_SERVICE_CIDRS {
+            return Err(DatapathError::Invalid(format!(
+                "at most {MAX_SERVICE_CIDRS} IPv4 service CIDRs are supported, got {}",
+                self.service_cidrs.len()
+            )));
+        }
+        if self.snat_ports.0 == 0 || self.snat_ports.0 > self.snat_ports.1 {
+            return Err(DatapathError::Invalid(format!("bad SNAT port range {:?}", self.snat_ports)));
+        }
+        let cidr = |c: &Ipv4Cidr| Cidr4 {
+            addr: be32(c.addr()),
+            mask: c.mask().to_be(),
+        };
+        let mut service_cidrs = [Cidr4::default(); MAX_SERVICE_CIDRS];
+        for (slot, c) in service_cidrs.iter_mut().zip(&self.service_cidrs) {
+            *slot = cidr(c);
+        }
+        let secs = |d: Duration| d.as_secs().clamp(1, u32::MAX as u64) as u32;
+        Ok(DpConfig {
+            flags: config_flags::CONFIGURED | if self.masquerade_all { config_flags::MASQUERADE_ALL } else { 0 },
+            snat_ip: be32(self.snat_ip),
+            cluster_cidr: self.cluster_cidr.as_ref().map(cidr).unwrap_or_default(),
+            service_cidrs,
+            snat_port_min: self.snat_ports.0,
+            snat_port_max: self.snat_ports.1,
+            ct_tcp_timeout_s: secs(self.ct_tcp_timeout),
+            ct_tcp_close_timeout_s: secs(self.ct_tcp_close_timeout),
+            ct_udp_timeout_s: secs(self.ct_udp_timeout),
+        })
+    }
+}
+
+/// Index into the backends map. 0 is never a valid id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendId(pub NonZeroU32);
+
+impl BackendId {
+    pub fn new(id: u32) -> Option<Self> {
+        NonZeroU32::new(id).map(Self)
+    }
+    pub fn get(self) -> u32 {
+        self.0.get()
+    }
+}
+
+/// An endpoint address as the datapath translates to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Backend {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub proto: Protocol,
+    pub terminating: bool,
+    pub local: bool,
+}
+
+impl Backend {
+    fn to_abi(self) -> Lb4Backend {
+        let mut flags = backend_flags::ACTIVE;
+        if self.terminating {
+            flags |= backend_flags::TERMINATING;
+        }
+        if self.local {
+            flags |= backend_flags::LOCAL;
+        }
+        Lb4Backend {
+            address: be32(self.addr),
+            port: self.port.to_be(),
+            proto: self.proto.number(),
+            flags,
+        }
+    }
+
+    fn from_abi(b: &Lb4Backend) -> Option<Self> {
+        (b.flags & backend_flags::ACTIVE != 0).then(|| Self {
+            addr: Ipv4Addr::from(u32::from_be(b.address)),
+            port: u16::from_be(b.port),
+            proto: Protocol::from_number(b.proto).unwrap_or(Protocol::Tcp),
+            terminating: b.flags & backend_flags::TERMINATING != 0,
+            local: b.flags & backend_flags::LOCAL != 0,
+        })
+    }
+}
+
+/// Where a frontend listens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Frontend {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub proto: Protocol,
+}
+
+impl Frontend {
+    fn key(&self, scope: u8, slot: u16) -> Lb4ServiceKey {
+        Lb4ServiceKey {
+            address: be32(self.addr),
+            port: self.port.to_be(),
+            slot,
+            proto: self.proto.number(),
+            scope,
+            _pad: [0; 2],
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum FrontendKind {
+    ClusterIp,
+    NodePort,
+    ExternalIp,
+    LoadBalancer,
+}
+
+impl FrontendKind {
+    fn flag(self) -> u16 {
+        match self {
+            FrontendKind::ClusterIp => service_flags::CLUSTER_IP,
+            FrontendKind::NodePort => service_flags::NODE_PORT,
+            FrontendKind::ExternalIp => service_flags::EXTERNAL_IP,
+            FrontendKind::LoadBalancer => service_flags::LOAD_BALANCER,
+        }
+    }
+}
+
+/// What a new flow gets when a backend set is empty.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum EmptyVerdict {
+    /// ICMP port-unreachable: the service has no usable endpoint at all.
+    Reject,
+    /// Drop: a Local policy without a local endpoint.
+    Drop,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct BackendSet {
+    pub backends: Vec<BackendId>,
+    pub when_empty: EmptyVerdict,
+}
+
+/// Everything the datapath needs to serve one frontend.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct FrontendEntry {
+    /// The Service port this frontend belongs to (stats, affinity, source
+    /// ranges are per service port, shared by all its frontends).
+    pub service_id: u32,
+    pub kind: FrontendKind,
+    /// The set every source uses (for an eTP=Local external destination: the
+    /// local set, used by sources outside the cluster).
+    pub backends: BackendSet,
+    /// eTP=Local external destinations: the cluster set that in-cluster
+    /// sources use (kube-proxy's short-circuit).
+    pub internal_backends: Option<BackendSet>,
+    /// SNAT new flows to the node (eTP=Cluster external destinations).
+    pub masquerade: bool,
+    /// `sessionAffinity: ClientIP` timeout.
+    pub affinity_timeout: Option<Duration>,
+    /// Check `loadBalancerSourceRanges` (entries via [`LbMaps::add_source_range`]).
+    pub source_ranges: bool,
+    pub external_local: bool,
+    pub internal_local: bool,
+}
+
+type Map<K, V> = HashMap<MapData, K, V>;
+
+/// The datapath's maps, typed.
+pub struct LbMaps {
+    pub(super) config: Array<MapData, DpConfig>,
+    pub(super) services: Map<Lb4ServiceKey, Lb4Service>,
+    pub(super) backends: Array<MapData, Lb4Backend>,
+    pub(super) affinity: Map<Lb4AffinityKey, Lb4AffinityValue>,
+    pub(super) source_ranges: LpmTrie<MapData, Lb4SourceRangeData, u8>,
+    pub(super) ct: Map<Ct4Key, Ct4Entry>,
+    pub(super) counters: PerCpuArray<MapData, Counter>,
+    pub(super) service_stats: PerCpuArray<MapData, Counter>,
+    pub(super) max_services: u32,
+    pub(super) max_backends: u32,
+}
+
+fn be32(ip: Ipv4Addr) -> u32 {
+    u32::from(ip).to_be()
+}
+
+fn err(name: &'static str) -> impl Fn(MapError) -> DatapathError {
+    move |source| DatapathError::Map { name, source }
+}
+
+/// A missing key is not an error when deleting.
+fn removed(r: Result<(), MapError>, name: &'static str) -> Result<(), DatapathError> {
+    match r {
+        Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+        Err(MapError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(err(name)(e)),
+    }
+}
+
+impl LbMaps {
+    /// Writes the node-wide settings; until then the datapath passes
+    /// everything untouched.
+    pub fn set_config(&mut self, config: &DatapathConfig) -> Result<(), DatapathError> {
+        let abi = config.to_abi()?;
+        self.config.set(0, abi, 0).map_err(err(names::CONFIG))
+    }
+
+    pub fn set_backend(&mut self, id: BackendId, backend: &Backend) -> Result<(), DatapathError> {
+        self.check_backend_id(id)?;
+        self.backends
+            .set(id.get(), backend.to_abi(), 0)
+            .map_err(err(names::LB4_BACKENDS))
+    }
+
+    /// Frees the id. Conntrack entries still naming it stop being used.
+    pub fn remove_backend(&mut self, id: BackendId) -> Result<(), DatapathError> {
+        self.check_backend_id(id)?;
+        self.backends
+            .set(id.get(), Lb4Backend::default(), 0)
+            .map_err(err(names::LB4_BACKENDS))
+    }
+
+    pub fn backend(&self, id: BackendId) -> Result<Option<Backend>, DatapathError> {
+        let b = self.backends.get(&id.get(), 0).map_err(err(names::LB4_BACKENDS))?;
+        Ok(Backend::from_abi(&b))
+    }
+
+    /// All backends in use, by id.
+    pub fn backends(&self) -> Result<Vec<(BackendId, Backend)>, DatapathError> {
+        let mut out = Vec::new();
+        for (i, b) in self.backends.iter().enumerate() {
+            let b = b.map_err(err(names::LB4_BACKENDS))?;
+            if let (Some(id), Some(backend)) = (BackendId::new(i as u32), Backend::from_abi(&b)) {
+                out.push((id, backend));
+            }
+        }
+        Ok(out)
+    }
+
+    fn check_backend_id(&self, id: BackendId) -> Result<(), DatapathError> {
+        if id.get() >= self.max_backends {
+            return Err(DatapathError::Invalid(format!(
+                "backend id {} is beyond the backends map capacity {}",
+                id.get(),
+                self.max_backends
+            )));
+        }
+        Ok(())
+    }
+
+    /// Creates or updates a frontend, make-before-break: backend slots
+    /// first, then slot 0; slots the new set no longer uses are deleted
+    /// last. The backends must already be written.
+    pub fn set_frontend(&mut self, fe: &Frontend, entry: &FrontendEntry) -> Result<(), DatapathError> {
+        if entry.service_id >= self.max_services {
+            return Err(DatapathError::Invalid(format!(
+                "service id {} is beyond the capacity of {} service ports",
+                entry.service_id, self.max_services
+            )));
+        }
+        let too_many = |s: &BackendSet| s.backends.len() > limits::MAX_BACKENDS_PER_SERVICE as usize;
+        if too_many(&entry.backends) || entry.internal_backends.as_ref().is_some_and(too_many) {
+            return Err(DatapathError::Invalid(format!(
+                "{}:{}/{} has more than {} backends",
+                fe.addr,
+                fe.port,
+                fe.proto,
+                limits::MAX_BACKENDS_PER_SERVICE
+            )));
+        }
+        let mut flags = entry.kind.flag();
+        for (on, flag) in [
+            (entry.masquerade, service_flags::MASQUERADE),
+            (entry.affinity_timeout.is_some(), service_flags::AFFINITY),
+            (entry.source_ranges, service_flags::SOURCE_RANGES),
+            (entry.external_local, service_flags::EXTERNAL_LOCAL),
+            (entry.internal_local, service_flags::INTERNAL_LOCAL),
+        ] {
+            if on {
+                flags |= flag;
+            }
+        }
+        let affinity_timeout_s = entry
+            .affinity_timeout
+            .map_or(0, |d| d.as_secs().clamp(1, u32::MAX as u64) as u32);
+        let head = |set: &BackendSet, flags: u16| Lb4Service {
+            backend_id: 0,
+            service_id: entry.service_id,
+            count: set.backends.len() as u16,
+            flags: flags
+                | if set.when_empty == EmptyVerdict::Reject {
+                    service_flags::REJECT_EMPTY
+                } else {
+                    0
+                },
+            affinity_timeout_s,
+        };
+        // The internal set is complete before the external frontend points
+        // at it (TWO_SCOPES), and removed only after it no longer does.
+        match &entry.internal_backends {
+            Some(internal) => {
+                self.write_scope(fe, scope::INTERNAL, internal, head(internal, flags))?;
+                let ext = head(&entry.backends, flags | service_flags::TWO_SCOPES);
+                self.write_scope(fe, scope::EXTERNAL, &entry.backends, ext)?;
+            }
+            None => {
+                self.write_scope(fe, scope::EXTERNAL, &entry.backends, head(&entry.backends, flags))?;
+                self.remove_scope(fe, scope::INTERNAL)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn write_scope(
+        &mut self,
+        fe: &Frontend,
+        scope: u8,
+        set: &BackendSet,
+        head: Lb4Service,
+    ) -> Result<(), DatapathError> {
+        let old_count = self.services.get(&fe.key(scope, 0), 0).map(|s| s.count).unwrap_or(0);
+        for (i, id) in set.backends.iter().enumerate() {
+            let slot = Lb4Service {
+                backend_id: id.get(),
+                ..Default::default()
+            };
+            self.services
+                .insert(fe.key(scope, i as u16 + 1), slot, 0)
+                .map_err(err(names::LB4_SERVICES))?;
+        }
+        self.services
+            .insert(fe.key(scope, 0), head, 0)
+            .map_err(err(names::LB4_SERVICES))?;
+        for slot in set.backends.len() as u16 + 1..=old_count {
+            removed(self.services.remove(&fe.key(scope, slot)), names::LB4_SERVICES)?;
+        }
+        Ok(())
+    }
+
+    fn remove_scope(&mut self, fe: &Frontend, scope: u8) -> Result<(), DatapathError> {
+        let Ok(head) = self.services.get(&fe.key(scope, 0), 0) else {
+            return Ok(());
+        };
+        removed(self.services.remove(&fe.key(scope, 0)), names::LB4_SERVICES)?;
+        for slot in 1..=head.count {
+            removed(self.services.remove(&fe.key(scope, slot)), names::LB4_SERVICES)?;
+        }
+        Ok(())
+    }
+
+    /// Removes a frontend: slot 0 first (packets stop matching), then slots.
+    pub fn remove_frontend(&mut self, fe: &Frontend) -> Result<(), DatapathError> {
+        self.remove_scope(fe, scope::EXTERNAL)?;
+        self.remove_scope(fe, scope::INTERNAL)
+    }
+
+    /// The frontend's slot-0 entry and backend ids of one scope, as stored.
+    pub fn frontend(&self, fe: &Frontend, scope: u8) -> Result<Option<(Lb4Service, Vec<u32>)>, DatapathError> {
+        let head = match self.services.get(&fe.key(scope, 0), 0) {
+            Ok(h) => h,
+            Err(MapError::KeyNotFound) => return Ok(None),
+            Err(e) => return Err(err(names::LB4_SERVICES)(e)),
+        };
+        let mut ids = Vec::with_capacity(head.count as usize);
+        for slot in 1..=head.count {
+            let s = self.services.get(&fe.key(scope, slot), 0).map_err(err(names::LB4_SERVICES))?;
+            ids.push(s.backend_id);
+        }
+        Ok(Some((head, ids)))
+    }
+
+    /// Marks `addr` as a Service address (ClusterIP): ports it does not
+    /// serve are rejected rather than passed.
+    pub fn set_service_address(&mut self, addr: Ipv4Addr) -> Result<(), DatapathError> {
+        let value = Lb4Service {
+            flags: service_flags::WILDCARD,
+            ..Default::default()
+        };
+        self.services
+            .insert(wildcard_key(addr), value, 0)
+            .map_err(err(names::LB4_SERVICES))
+    }
+
+    pub fn remove_service_address(&mut self, addr: Ipv4Addr) -> Result<(), DatapathError> {
+        removed(self.services.remove(&wildcard_key(addr)), names::LB4_SERVICES)
+    }
+
+    pub fn add_source_range(&mut self, service_id: u32, range: Ipv4Cidr) -> Result<(), DatapathError> {
+        self.source_ranges
+            .insert(&source_range_key(service_id, range), 1, 0)
+            .map_err(err(names::LB4_SOURCE_RANGES))
+    }
+
+    pub fn remove_source_range(&mut self, service_id: u32, range: Ipv4Cidr) -> Result<(), DatapathError> {
+        removed(
+            self.source_ranges.remove(&source_range_key(service_id, range)),
+            names::LB4_SOURCE_RANGES,
+        )
+    }
+
+    /// Every conntrack entry (both directions of every flow).
+    pub fn conntrack(&self) -> Result<Vec<(Ct4Key, Ct4Entry)>, DatapathError> {
+        self.ct
+            .iter()
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(err(names::CT4))
+    }
+
+    /// Deletes the conntrack entries `stale` selects (e.g. UDP flows pinned
+    /// to a backend that stopped serving); returns how many.
+    pub fn purge_conntrack(&mut self, stale: impl Fn(&Ct4Key, &Ct4Entry) -> bool) -> Result<usize, DatapathError> {
+        let victims: Vec<Ct4Key> = self
+            .conntrack()?
+            .into_iter()
+            .filter(|(k, e)| stale(k, e))
+            .map(|(k, _)| k)
+            .collect();
+        for k in &victims {
+            removed(self.ct.remove(k), names::CT4)?;
+        }
+        Ok(victims.len())
+    }
+
+    /// Deletes the UDP conntrack entries of flows translated to `backends`
+    /// (kube-proxy clears these when an endpoint stops serving, so that
+    /// e.g. DNS clients move on at once).
+    pub fn purge_udp_flows_to(&mut self, backends: &[BackendId]) -> Result<usize, DatapathError> {
+        self.purge_conntrack(|k, e| {
+            k.proto == dataplane_common::proto::UDP && backends.iter().any(|b| b.get() == e.backend_id)
+        })
+    }
+
+    /// The ClientIP affinity entry of `client` for a service port.
+    pub fn affinity(&self, service_id: u32, client: Ipv4Addr) -> Option<Lb4AffinityValue> {
+        let key = Lb4AffinityKey {
+            client: be32(client),
+            service_id,
+        };
+        self.affinity.get(&key, 0).ok()
+    }
+
+    /// Counters, summed over CPUs.
+    pub fn counter(&self, event: Event) -> Result<Counter, DatapathError> {
+        sum_per_cpu(&self.counters, event as u32, names::COUNTERS)
+    }
+
+    pub fn counters(&self) -> Result<Vec<(Event, Counter)>, DatapathError> {
+        Event::ALL.iter().map(|&e| Ok((e, self.counter(e)?))).collect()
+    }
+
+    /// Packets and bytes translated for a service port, summed over CPUs.
+    pub fn service_stats(&self, service_id: u32) -> Result<Counter, DatapathError> {
+        sum_per_cpu(&self.service_stats, service_id, names::SERVICE_STATS)
+    }
+}
+
+fn sum_per_cpu(map: &PerCpuArray<MapData, Counter>, index: u32, name: &'static str) -> Result<Counter, DatapathError> {
+    let per_cpu = map.get(&index, 0).map_err(err(name))?;
+    let mut total = Counter::default();
+    per_cpu.iter().for_each(|c| total.merge(c));
+    Ok(total)
+}
+
+fn wildcard_key(addr: Ipv4Addr) -> Lb4ServiceKey {
+    Lb4ServiceKey {
+        address: be32(addr),
+        ..Default::default()
+    }
+}
+
+fn source_range_key(service_id: u32, range: Ipv4Cidr) -> Key<Lb4SourceRangeData> {
+    Key::new(
+        32 + range.prefix_len() as u32,
+        Lb4SourceRangeData {
+            service_id_be: service_id.to_be(),
+            address: be32(range.addr()),
+        },
+    )
+}

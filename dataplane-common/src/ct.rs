@@ -1,0 +1,48 @@
+//! Connection tracking: one LRU map, one entry per direction of a flow, each
+//! keyed by the tuple as packets of that direction arrive and holding the
+//! rewrite to apply to them. A flow is translated once; every later packet
+//! (and every reply) is an exact-match lookup.
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Ct4Key {
+    /// Network order.
+    pub saddr: u32,
+    pub daddr: u32,
+    pub sport: u16,
+    pub dport: u16,
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+crate::assert_layout!(Ct4Key, 16, 4);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Ct4Entry {
+    /// `bpf_ktime_get_ns` when a packet last used the entry (refreshed at
+    /// most once per second).
+    pub last_seen_ns: u64,
+    /// The tuple packets of this direction are rewritten to (network order).
+    pub nat_saddr: u32,
+    pub nat_daddr: u32,
+    pub nat_sport: u16,
+    pub nat_dport: u16,
+    pub backend_id: u32,
+    pub service_id: u32,
+    /// [`ct_flags`].
+    pub flags: u16,
+    pub _pad: u16,
+}
+crate::assert_layout!(Ct4Entry, 32, 8);
+
+pub mod ct_flags {
+    /// The entry translates replies (backend → client) rather than the
+    /// original direction.
+    pub const REPLY: u16 = 1 << 0;
+    /// The flow was SNATed to the node.
+    pub const SNAT: u16 = 1 << 1;
+    /// A TCP FIN or RST was seen: the short close timeout applies.
+    pub const CLOSING: u16 = 1 << 2;
+}
+
+crate::impl_pod!(Ct4Key, Ct4Entry);

@@ -1,0 +1,141 @@
+//! IPv4 load-balancing maps: services (frontend + backend slots), backends,
+//! session affinity, source ranges. IPv6 gets `lb6` twins with the same shape.
+//!
+//! A frontend is (address, port, protocol). Its entries in the services map:
+//! slot 0 holds the frontend ([`Lb4Service::count`], service id, flags);
+//! slots `1..=count` hold backend ids. A frontend may have two backend sets,
+//! selected by [`scope`]: eTP=Local external destinations keep the local set
+//! in [`scope::EXTERNAL`] and the cluster set (for in-cluster sources, which
+//! kube-proxy short-circuits) in [`scope::INTERNAL`].
+
+/// Which backend set of a frontend a lookup wants.
+pub mod scope {
+    /// The set every source uses, unless the frontend has
+    /// [`super::service_flags::TWO_SCOPES`] and the source is in the cluster.
+    pub const EXTERNAL: u8 = 0;
+    /// The cluster set of an eTP=Local external destination, used by
+    /// in-cluster sources.
+    pub const INTERNAL: u8 = 1;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Lb4ServiceKey {
+    /// Frontend address (network order).
+    pub address: u32,
+    /// Frontend port (network order); 0 with proto 0 for the wildcard entry.
+    pub port: u16,
+    /// 0 = frontend, 1..=count = backend slots.
+    pub slot: u16,
+    pub proto: u8,
+    pub scope: u8,
+    pub _pad: [u8; 2],
+}
+crate::assert_layout!(Lb4ServiceKey, 12, 4);
+
+/// Value of the services map. For slot 0 (the frontend) every field but
+/// `backend_id` is meaningful; for backend slots only `backend_id`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lb4Service {
+    /// Backend slots: the backend id. Frontend: 0.
+    pub backend_id: u32,
+    /// Identifies the Service port (shared by all its frontends): stats,
+    /// affinity and source ranges are keyed by it.
+    pub service_id: u32,
+    /// Frontend: number of backend slots in this scope.
+    pub count: u16,
+    /// Frontend: [`service_flags`].
+    pub flags: u16,
+    /// Frontend: ClientIP affinity timeout in seconds (with `AFFINITY`).
+    pub affinity_timeout_s: u32,
+}
+crate::assert_layout!(Lb4Service, 16, 4);
+
+pub mod service_flags {
+    /// Kind of frontend (exactly one of the four).
+    pub const CLUSTER_IP: u16 = 1 << 0;
+    pub const NODE_PORT: u16 = 1 << 1;
+    pub const EXTERNAL_IP: u16 = 1 << 2;
+    pub const LOAD_BALANCER: u16 = 1 << 3;
+    pub const KIND_MASK: u16 = CLUSTER_IP | NODE_PORT | EXTERNAL_IP | LOAD_BALANCER;
+    /// eTP=Local external destination: [`super::scope::EXTERNAL`] holds the
+    /// local set, [`super::scope::INTERNAL`] the cluster set for in-cluster
+    /// sources (pods: no SNAT; the node itself: SNAT).
+    pub const TWO_SCOPES: u16 = 1 << 4;
+    /// SNAT new flows to the node (eTP=Cluster external destinations).
+    pub const MASQUERADE: u16 = 1 << 5;
+    /// `sessionAffinity: ClientIP`.
+    pub const AFFINITY: u16 = 1 << 6;
+    /// `loadBalancerSourceRanges`: new flows from other sources are dropped.
+    pub const SOURCE_RANGES: u16 = 1 << 7;
+    /// With count 0: answer new flows with ICMP port-unreachable (the
+    /// service has no usable endpoint at all). Without: drop (a Local policy
+    /// without local endpoints).
+    pub const REJECT_EMPTY: u16 = 1 << 8;
+    /// The wildcard entry (port 0, proto 0) of a ClusterIP: the address is a
+    /// Service, so a port it does not serve is rejected.
+    pub const WILDCARD: u16 = 1 << 9;
+    /// iTP=Local (informational: the set already is the local one).
+    pub const INTERNAL_LOCAL: u16 = 1 << 10;
+    /// eTP=Local (informational for inspect).
+    pub const EXTERNAL_LOCAL: u16 = 1 << 11;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Lb4Backend {
+    /// Network order.
+    pub address: u32,
+    /// Network order.
+    pub port: u16,
+    pub proto: u8,
+    /// [`backend_flags`]; 0 means the slot is free (id not in use).
+    pub flags: u8,
+}
+crate::assert_layout!(Lb4Backend, 8, 4);
+
+pub mod backend_flags {
+    /// The id is in use.
+    pub const ACTIVE: u8 = 1 << 0;
+    /// The endpoint is terminating (serving, not ready).
+    pub const TERMINATING: u8 = 1 << 1;
+    /// The endpoint runs on this node.
+    pub const LOCAL: u8 = 1 << 2;
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Lb4AffinityKey {
+    /// Client address (network order).
+    pub client: u32,
+    pub service_id: u32,
+}
+crate::assert_layout!(Lb4AffinityKey, 8, 4);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Lb4AffinityValue {
+    /// `bpf_ktime_get_ns` of the last new flow that used it.
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    /// Slot the backend had when chosen: a still-valid affinity must find
+    /// the same backend id in that slot of the frontend (O(1) membership).
+    pub slot: u32,
+}
+crate::assert_layout!(Lb4AffinityValue, 16, 8);
+
+/// Data part of the source-ranges LPM trie key (the prefix length precedes
+/// it): the service id must match fully (32 bits), then `prefix` bits of the
+/// address. Both in network order, so the trie compares them MSB first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Lb4SourceRangeData {
+    /// Service id, big-endian.
+    pub service_id_be: u32,
+    /// Network order.
+    pub address: u32,
+}
+crate::assert_layout!(Lb4SourceRangeData, 8, 4);
+
+crate::impl_pod!(Lb4ServiceKey, Lb4Service, Lb4Backend, Lb4AffinityKey, Lb4AffinityValue, Lb4SourceRangeData);

@@ -1,0 +1,90 @@
+//! Frontend lookup and backend selection (uniform random, ClientIP affinity),
+//! source ranges.
+
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32, maps::lpm_trie::Key};
+use dataplane_common::lb4::{
+    Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData, backend_flags,
+    service_flags,
+};
+
+use crate::maps::{AFFINITY, BACKENDS, SERVICES, SOURCE_RANGES};
+
+#[inline(always)]
+pub fn frontend(key: &Lb4ServiceKey) -> Option<Lb4Service> {
+    // SAFETY: map value copied out.
+    unsafe { SERVICES.get(key).copied() }
+}
+
+/// Is the address a ClusterIP (its wildcard entry exists)?
+#[inline(always)]
+pub fn is_service_address(address: u32) -> bool {
+    let key = Lb4ServiceKey {
+        address,
+        ..Default::default()
+    };
+    frontend(&key).is_some_and(|f| f.flags & service_flags::WILDCARD != 0)
+}
+
+#[inline(always)]
+pub fn source_allowed(service_id: u32, saddr: u32) -> bool {
+    let key = Key::new(
+        64,
+        Lb4SourceRangeData {
+            service_id_be: service_id.to_be(),
+            address: saddr,
+        },
+    );
+    SOURCE_RANGES.get(&key).is_some()
+}
+
+#[inline(always)]
+fn backend_in_slot(key: &Lb4ServiceKey, slot: u32) -> Option<(u32, Lb4Backend)> {
+    let mut k = *key;
+    k.slot = slot as u16;
+    let id = frontend(&k)?.backend_id;
+    let be = *BACKENDS.get(id)?;
+    (be.flags & backend_flags::ACTIVE != 0).then_some((id, be))
+}
+
+/// Picks the backend of a new flow from `client` to the frontend at `key`
+/// (slot 0, the scope chosen): the affinity backend while it is fresh and
+/// still in the set, else uniformly at random over slots `1..=count`.
+#[inline(always)]
+pub fn select(key: &Lb4ServiceKey, svc: &Lb4Service, client: u32, now: u64) -> Option<(u32, Lb4Backend)> {
+    let count = svc.count as u32;
+    if count == 0 {
+        return None;
+    }
+    let affinity = svc.flags & service_flags::AFFINITY != 0;
+    let akey = Lb4AffinityKey {
+        client,
+        service_id: svc.service_id,
+    };
+    if affinity && let Some(a) = AFFINITY.get_ptr_mut(&akey) {
+        // SAFETY: map value pointer.
+        let (last, id, slot) = unsafe { ((*a).last_used_ns, (*a).backend_id, (*a).slot) };
+        let fresh = now.wrapping_sub(last) <= svc.affinity_timeout_s as u64 * 1_000_000_000;
+        if fresh
+            && slot >= 1
+            && slot <= count
+            && let Some((sid, be)) = backend_in_slot(key, slot)
+            && sid == id
+        {
+            // SAFETY: map value pointer; racing writers store equivalent values.
+            unsafe { (*a).last_used_ns = now };
+            return Some((id, be));
+        }
+    }
+    // SAFETY: helper without arguments.
+    let slot = unsafe { bpf_get_prandom_u32() }.checked_rem(count).unwrap_or(0) + 1;
+    let (id, be) = backend_in_slot(key, slot)?;
+    if affinity {
+        let value = Lb4AffinityValue {
+            last_used_ns: now,
+            backend_id: id,
+            slot,
+        };
+        let _ = AFFINITY.insert(&akey, &value, BPF_ANY as u64);
+    }
+    Some((id, be))
+}
