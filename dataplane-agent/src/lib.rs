@@ -3,5 +3,8 @@
 //! - [`dataplane`]: loads the embedded kernel object, attaches its programs,
 //!   and programs its maps through a typed API ([`dataplane::LbMaps`]).
 //! - [`net`]: small address types (CIDRs, protocols).
+//! - [`state`]: the service table with kube-proxy's semantics, pure: desired
+//!   state and the diff into ordered map operations.
 pub mod dataplane;
 pub mod net;
+pub mod state;

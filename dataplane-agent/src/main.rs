@@ -33,7 +33,10 @@ fn main() -> anyhow::Result<()> {
             println!("ok: eBPF object loaded and verified");
             let programs = [names::XDP_INGRESS, names::TC_EGRESS, names::TC_POD_INGRESS];
             println!("  programs: {}", programs.join(", "));
-            println!("  counters: {} (all zero: nothing attached)", datapath.maps().counters()?.len());
+            println!(
+                "  counters: {} (all zero: nothing attached)",
+                datapath.maps().counters()?.len()
+            );
             Ok(())
         }
     }

@@ -25,7 +25,11 @@ impl Ipv4Cidr {
     }
 
     fn mask_of(prefix_len: u8) -> u32 {
-        if prefix_len == 0 { 0 } else { u32::MAX << (32 - prefix_len) }
+        if prefix_len == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix_len)
+        }
     }
 
     pub fn addr(&self) -> Ipv4Addr {
@@ -117,6 +121,11 @@ mod tests {
         assert_eq!("1.2.3.4".parse::<Ipv4Cidr>().unwrap().prefix_len(), 32);
         assert!("1.2.3.4/33".parse::<Ipv4Cidr>().is_err());
         assert!("x/8".parse::<Ipv4Cidr>().is_err());
-        assert!("0.0.0.0/0".parse::<Ipv4Cidr>().unwrap().contains(Ipv4Addr::new(8, 8, 8, 8)));
+        assert!(
+            "0.0.0.0/0"
+                .parse::<Ipv4Cidr>()
+                .unwrap()
+                .contains(Ipv4Addr::new(8, 8, 8, 8))
+        );
     }
 }

@@ -1,7 +1,9 @@
-//! Connection tracking: one LRU map, one entry per direction of a flow, each
-//! keyed by the tuple as packets of that direction arrive and holding the
-//! rewrite to apply to them. A flow is translated once; every later packet
-//! (and every reply) is an exact-match lookup.
+//! Connection tracking: one LRU map; a flow has an entry per place a hook
+//! sees it (two without SNAT, four with), each keyed by the tuple as that
+//! hook sees the packet and holding the tuple the packet ends up with.
+//! Ingress hooks rewrite destinations, egress hooks sources. A flow is
+//! translated once; every later packet (and every reply) is an exact-match
+//! lookup.
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -22,7 +24,8 @@ pub struct Ct4Entry {
     /// `bpf_ktime_get_ns` when a packet last used the entry (refreshed at
     /// most once per second).
     pub last_seen_ns: u64,
-    /// The tuple packets of this direction are rewritten to (network order).
+    /// The tuple packets end up with (network order); ingress hooks apply the
+    /// destination half, egress hooks the source half.
     pub nat_saddr: u32,
     pub nat_daddr: u32,
     pub nat_sport: u16,

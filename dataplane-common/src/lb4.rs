@@ -138,4 +138,11 @@ pub struct Lb4SourceRangeData {
 }
 crate::assert_layout!(Lb4SourceRangeData, 8, 4);
 
-crate::impl_pod!(Lb4ServiceKey, Lb4Service, Lb4Backend, Lb4AffinityKey, Lb4AffinityValue, Lb4SourceRangeData);
+crate::impl_pod!(
+    Lb4ServiceKey,
+    Lb4Service,
+    Lb4Backend,
+    Lb4AffinityKey,
+    Lb4AffinityValue,
+    Lb4SourceRangeData
+);

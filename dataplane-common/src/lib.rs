@@ -42,11 +42,11 @@ pub mod names {
 
     /// XDP on the node's external devices: north-south translation.
     pub const XDP_INGRESS: &str = "xdp_ingress";
-    /// TC egress on the node's external devices: reverse translation of
-    /// replies that leave through them (backends on this node).
+    /// TC egress on external devices and pod-facing host interfaces:
+    /// source rewrites (SNAT; the frontend address on replies).
     pub const TC_EGRESS: &str = "tc_egress";
-    /// TC ingress on pod-facing host interfaces: reverse translation of
-    /// replies from backends on this node before the host routes them.
+    /// TC ingress on pod-facing host interfaces: destination rewrites of
+    /// packets from pods (replies of SNATed flows back to the client).
     pub const TC_POD_INGRESS: &str = "tc_pod_ingress";
 }
 

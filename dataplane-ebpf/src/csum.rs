@@ -30,4 +30,3 @@ pub fn diff16(old: u16, new: u16) -> u32 {
 pub fn apply(check: u16, diff: u32) -> u16 {
     !fold((!check) as u32 + fold(diff) as u32)
 }
-

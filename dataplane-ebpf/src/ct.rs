@@ -81,10 +81,25 @@ pub fn backend_valid(e: &Ct4Entry) -> bool {
     })
 }
 
-/// Creates both entries of a new flow `t` → `be` and returns the forward
-/// one. With `snat`, the source becomes `cfg.snat_ip` and a source port no
-/// other flow to the same backend uses (claimed atomically with
-/// `BPF_NOEXIST` on the reply entry).
+/// Creates the entries of a new flow `t` (client → frontend) to `be`, and
+/// returns the one the ingress hook applies now.
+///
+/// Destinations are rewritten where packets enter the node (XDP, TC ingress
+/// on pod interfaces) and sources where they leave it (TC egress), as
+/// netfilter does in PREROUTING and POSTROUTING: the kernel routes every
+/// packet in between with a non-local source, so nothing looks martian. Each
+/// entry is keyed by the tuple its hook sees:
+///
+/// | entry | key (as seen)            | hook    | rewrites                  |
+/// |-------|--------------------------|---------|---------------------------|
+/// | A     | client → frontend        | ingress | dst → backend             |
+/// | B     | client → backend         | egress  | src → node:snat (SNAT)    |
+/// | C     | backend → node:snat      | ingress | dst → client (SNAT)       |
+/// | D     | backend → client         | egress  | src → frontend            |
+///
+/// Every entry carries the full tuple the packet ends up with, so ICMP
+/// error translation and `inspect` can read the whole flow from any of them.
+/// With `snat`, the port is claimed atomically (`BPF_NOEXIST` on C's key).
 #[inline(always)]
 pub fn create(
     cfg: &DpConfig,
@@ -96,17 +111,7 @@ pub fn create(
     now: u64,
 ) -> Result<Ct4Entry, Event> {
     let flags = if snat { ct_flags::SNAT } else { 0 };
-    let reply = Ct4Entry {
-        last_seen_ns: now,
-        nat_saddr: t.daddr,
-        nat_daddr: t.saddr,
-        nat_sport: t.dport,
-        nat_dport: t.sport,
-        backend_id,
-        service_id: svc.service_id,
-        flags: flags | ct_flags::REPLY,
-        _pad: 0,
-    };
+    // As the backend sees the flow: from (client or node:snat) to backend.
     let mut forward = Ct4Entry {
         last_seen_ns: now,
         nat_saddr: t.saddr,
@@ -118,7 +123,16 @@ pub fn create(
         flags,
         _pad: 0,
     };
-    let mut rkey = Ct4Key {
+    // As the client sees the replies: from frontend to client.
+    let reply = Ct4Entry {
+        nat_saddr: t.daddr,
+        nat_daddr: t.saddr,
+        nat_sport: t.dport,
+        nat_dport: t.sport,
+        flags: flags | ct_flags::REPLY,
+        ..forward
+    };
+    let key_d = Ct4Key {
         saddr: be.address,
         daddr: t.saddr,
         sport: be.port,
@@ -127,27 +141,32 @@ pub fn create(
         _pad: [0; 3],
     };
     if snat {
-        rkey.daddr = cfg.snat_ip;
-        forward.nat_saddr = cfg.snat_ip;
+        let mut key_c = Ct4Key {
+            daddr: cfg.snat_ip,
+            ..key_d
+        };
         let (min, max) = (cfg.snat_port_min as u32, cfg.snat_port_max as u32);
         if max < min {
             return Err(Event::DropSnatExhausted);
         }
         // SAFETY: helper without arguments.
-        let mut port = min + unsafe { bpf_get_prandom_u32() }.checked_rem(max - min + 1).unwrap_or(0);
+        let mut port = min
+            + unsafe { bpf_get_prandom_u32() }
+                .checked_rem(max - min + 1)
+                .unwrap_or(0);
         let mut claimed = false;
         let mut i = 0;
         while i < limits::SNAT_ATTEMPTS {
-            rkey.dport = (port as u16).to_be();
-            if CT4.insert(&rkey, &reply, BPF_NOEXIST as u64).is_ok() {
+            key_c.dport = (port as u16).to_be();
+            if CT4.insert(&key_c, &reply, BPF_NOEXIST as u64).is_ok() {
                 claimed = true;
                 break;
             }
             // A port held by an expired flow may be taken over.
-            if let Some(old) = CT4.get_ptr(&rkey)
+            if let Some(old) = CT4.get_ptr(&key_c)
                 // SAFETY: map value pointer.
                 && expired(cfg, t.proto, unsafe { &*old }, now)
-                && CT4.insert(&rkey, &reply, BPF_ANY as u64).is_ok()
+                && CT4.insert(&key_c, &reply, BPF_ANY as u64).is_ok()
             {
                 claimed = true;
                 break;
@@ -158,11 +177,19 @@ pub fn create(
         if !claimed {
             return Err(Event::DropSnatExhausted);
         }
-        forward.nat_sport = rkey.dport;
-    } else if CT4.insert(&rkey, &reply, BPF_ANY as u64).is_err() {
-        return Err(Event::DropCtFull);
+        forward.nat_saddr = cfg.snat_ip;
+        forward.nat_sport = key_c.dport;
+        let key_b = Ct4Key {
+            daddr: be.address,
+            dport: be.port,
+            ..*t
+        };
+        if CT4.insert(&key_b, &forward, BPF_ANY as u64).is_err() {
+            return Err(Event::DropCtFull);
+        }
     }
-    if CT4.insert(t, &forward, BPF_ANY as u64).is_err() {
+    if CT4.insert(&key_d, &reply, BPF_ANY as u64).is_err() || CT4.insert(t, &forward, BPF_ANY as u64).is_err()
+    {
         return Err(Event::DropCtFull);
     }
     Ok(forward)

@@ -101,7 +101,7 @@ fn try_build_reject(ctx: &XdpContext, l3: usize, l4: usize) -> Option<()> {
 /// An ICMP error (destination unreachable, time exceeded, parameter
 /// problem) that quotes a packet of a translated flow, arriving from the
 /// backend side: rewrites the quote back to what the client sent and the
-/// outer header towards the client. Anything else passes untouched.
+/// outer destination to the client. Anything else passes untouched.
 #[inline(always)]
 pub fn translate_error_xdp(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u64) -> (u32, Event) {
     match translate_error(ctx, cfg, pkt, now) {
@@ -114,7 +114,10 @@ pub fn translate_error_xdp(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u6
 #[inline(never)]
 fn translate_error(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u64) -> Option<bool> {
     let icmp_type: u8 = load(ctx, pkt.l4)?;
-    if !matches!(icmp_type, ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETERPROB) {
+    if !matches!(
+        icmp_type,
+        ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETERPROB
+    ) {
         return Some(false);
     }
     let inner = pkt.l4 + 8;
@@ -146,8 +149,8 @@ fn translate_error(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u64) -> Op
     }
     // Quote as the client sent it: client → VIP.
     let (n_saddr, n_sport, n_daddr, n_dport) = (e.nat_daddr, e.nat_dport, e.nat_saddr, e.nat_sport);
-    let o_saddr = pkt.tuple.saddr;
-    let new_o_saddr = if o_saddr == i_daddr { e.nat_saddr } else { o_saddr };
+    // The outer source stays: the client accepts an error from any hop, and
+    // a node address as source would make the packet look martian here.
     let new_o_daddr = e.nat_daddr;
 
     let in_addr = csum::diff32(i_saddr, n_saddr) + csum::diff32(i_daddr, n_daddr);
@@ -166,14 +169,13 @@ fn translate_error(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u64) -> Op
         store(ctx, udp_check_at, new_udp)?;
     }
     let icmp_check: u16 = load(ctx, pkt.l4 + 2)?;
-    let outer_diff = csum::diff32(o_saddr, new_o_saddr) + csum::diff32(pkt.tuple.daddr, new_o_daddr);
+    let outer_diff = csum::diff32(pkt.tuple.daddr, new_o_daddr);
     let outer_check: u16 = load(ctx, pkt.l3 + ip::CHECK)?;
     store(ctx, inner + ip::SADDR, n_saddr)?;
     store(ctx, inner + ip::DADDR, n_daddr)?;
     store(ctx, inner + ip::CHECK, new_in_check)?;
     store(ctx, inner + ip::HLEN, [n_sport, n_dport])?;
     store(ctx, pkt.l4 + 2, csum::apply(icmp_check, icmp_diff))?;
-    store(ctx, pkt.l3 + ip::SADDR, new_o_saddr)?;
     store(ctx, pkt.l3 + ip::DADDR, new_o_daddr)?;
     store(ctx, pkt.l3 + ip::CHECK, csum::apply(outer_check, outer_diff))?;
     Some(true)

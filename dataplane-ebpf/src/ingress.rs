@@ -21,7 +21,7 @@ use dataplane_common::{
 use crate::{
     ct, icmp, lb,
     maps::{CONFIG, CT4},
-    nat::{self, Nat},
+    nat::{self, Side},
     packet::{Ipv4, Parsed, parse},
     stats,
 };
@@ -50,21 +50,18 @@ pub fn run(ctx: &XdpContext) -> (u32, Event) {
     if let Some(e) = ct::lookup(cfg, &pkt.tuple, now) {
         // SAFETY: map value pointer, valid for this run.
         let entry = unsafe { &*e };
-        if entry.flags & ct_flags::REPLY != 0 {
-            return match nat::rewrite_xdp(ctx, &pkt, &Nat::of(entry)) {
+        let reply = entry.flags & ct_flags::REPLY != 0;
+        if reply || ct::backend_valid(entry) {
+            let (daddr, dport) = nat::target(entry, Side::Dst);
+            return match nat::rewrite_xdp_dst(ctx, &pkt, daddr, dport) {
                 Some(()) => {
                     ct::touch(e, now, pkt.tcp_flags);
-                    (XDP_PASS, Event::Reply)
-                }
-                None => (XDP_PASS, Event::Malformed),
-            };
-        }
-        if ct::backend_valid(entry) {
-            return match nat::rewrite_xdp(ctx, &pkt, &Nat::of(entry)) {
-                Some(()) => {
-                    ct::touch(e, now, pkt.tcp_flags);
-                    stats::count_service(entry.service_id, pkt.tot_len as u64);
-                    (XDP_PASS, Event::Established)
+                    if reply {
+                        (XDP_PASS, Event::Reply)
+                    } else {
+                        stats::count_service(entry.service_id, pkt.tot_len as u64);
+                        (XDP_PASS, Event::Established)
+                    }
                 }
                 None => (XDP_PASS, Event::Malformed),
             };
@@ -136,7 +133,7 @@ fn new_flow(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u64) -> Step {
         Ok(f) => f,
         Err(event) => return Step::Done(XDP_DROP, event),
     };
-    match nat::rewrite_xdp(ctx, pkt, &Nat::of(&forward)) {
+    match nat::rewrite_xdp_dst(ctx, pkt, forward.nat_daddr, forward.nat_dport) {
         Some(()) => {
             stats::count_service(svc.service_id, pkt.tot_len as u64);
             Step::Done(XDP_PASS, Event::NewFlow)

@@ -3,8 +3,8 @@
 
 use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32, maps::lpm_trie::Key};
 use dataplane_common::lb4::{
-    Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData, backend_flags,
-    service_flags,
+    Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData,
+    backend_flags, service_flags,
 };
 
 use crate::maps::{AFFINITY, BACKENDS, SERVICES, SOURCE_RANGES};

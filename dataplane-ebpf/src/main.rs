@@ -19,6 +19,7 @@ use aya_ebpf::{
     programs::{TcContext, XdpContext},
 };
 use dataplane_common::stats::Event;
+use nat::Side;
 
 /// North-south translation on the node's external devices.
 #[xdp]
@@ -30,23 +31,25 @@ pub fn xdp_ingress(ctx: XdpContext) -> u32 {
     action
 }
 
-/// Replies leaving through an external device (host-network backends).
+/// Packets leaving through an external device or towards a pod: SNAT, and
+/// the frontend address restored on replies.
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
-    tc_reply(ctx)
+    tc_run(ctx, Side::Src)
 }
 
-/// Replies from backends on this node, before the host routes them.
+/// Packets from pods, before the host routes them: replies of SNATed flows
+/// sent back to the client.
 #[classifier]
 pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
-    tc_reply(ctx)
+    tc_run(ctx, Side::Dst)
 }
 
 #[inline(always)]
-fn tc_reply(ctx: TcContext) -> i32 {
+fn tc_run(ctx: TcContext, side: Side) -> i32 {
     let len = ctx.len() as u64;
     stats::count(Event::TcRx, len);
-    let (action, event) = reply::run(&ctx);
+    let (action, event) = reply::run(&ctx, side);
     stats::count(event, len);
     action
 }

@@ -16,88 +16,82 @@ use crate::{
     packet::{Ipv4, ip, ptr_at},
 };
 
-/// The tuple a packet is rewritten to.
-#[derive(Clone, Copy)]
-pub struct Nat {
-    pub saddr: u32,
-    pub daddr: u32,
-    pub sport: u16,
-    pub dport: u16,
+/// Which half of the tuple a hook rewrites: destinations where packets
+/// enter the node, sources where they leave it (see `ct::create`).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Src,
+    Dst,
 }
 
-impl Nat {
-    #[inline(always)]
-    pub fn of(e: &Ct4Entry) -> Self {
-        Self {
-            saddr: e.nat_saddr,
-            daddr: e.nat_daddr,
-            sport: e.nat_sport,
-            dport: e.nat_dport,
-        }
+/// The new address and port of one side, from a conntrack entry.
+#[inline(always)]
+pub fn target(e: &Ct4Entry, side: Side) -> (u32, u16) {
+    match side {
+        Side::Src => (e.nat_saddr, e.nat_sport),
+        Side::Dst => (e.nat_daddr, e.nat_dport),
     }
 }
 
-/// Rewrites an XDP frame. Every pointer is checked before the first write,
-/// so the frame is either fully rewritten or untouched.
+/// Rewrites an XDP frame's destination. Every pointer is checked before
+/// the first write, so the frame is either fully rewritten or untouched.
 #[inline(always)]
-pub fn rewrite_xdp(ctx: &XdpContext, pkt: &Ipv4, to: &Nat) -> Option<()> {
+pub fn rewrite_xdp_dst(ctx: &XdpContext, pkt: &Ipv4, daddr: u32, dport: u16) -> Option<()> {
     let t = &pkt.tuple;
     let iph = ptr_at::<_, [u8; ip::HLEN]>(ctx, pkt.l3)? as usize;
     let l4 = ptr_at::<_, [u8; 8]>(ctx, pkt.l4)? as usize;
     let l4_check = match t.proto {
-        proto::TCP => Some(ptr_at::<_, u16>(ctx, pkt.l4 + 16)?),
-        proto::UDP => Some((l4 + 6) as *mut u16),
-        _ => None,
+        proto::TCP => ptr_at::<_, u16>(ctx, pkt.l4 + 16)?,
+        proto::UDP => (l4 + 6) as *mut u16,
+        _ => return None,
     };
-    let addr_diff = csum::diff32(t.saddr, to.saddr) + csum::diff32(t.daddr, to.daddr);
+    let addr_diff = csum::diff32(t.daddr, daddr);
     // SAFETY: all pointers are inside the packet (checked above).
     unsafe {
         let check = (iph + ip::CHECK) as *mut u16;
         check.write_unaligned(csum::apply(check.read_unaligned(), addr_diff));
-        ((iph + ip::SADDR) as *mut u32).write_unaligned(to.saddr);
-        ((iph + ip::DADDR) as *mut u32).write_unaligned(to.daddr);
-        if let Some(p) = l4_check {
-            let old = p.read_unaligned();
-            // A zero UDP checksum means "none": it stays zero.
-            if !(t.proto == proto::UDP && old == 0) {
-                let diff = addr_diff + csum::diff16(t.sport, to.sport) + csum::diff16(t.dport, to.dport);
-                let mut new = csum::apply(old, diff);
-                if t.proto == proto::UDP && new == 0 {
-                    new = 0xffff;
-                }
-                p.write_unaligned(new);
+        ((iph + ip::DADDR) as *mut u32).write_unaligned(daddr);
+        let old = l4_check.read_unaligned();
+        // A zero UDP checksum means "none": it stays zero.
+        if !(t.proto == proto::UDP && old == 0) {
+            let mut new = csum::apply(old, addr_diff + csum::diff16(t.dport, dport));
+            if t.proto == proto::UDP && new == 0 {
+                new = 0xffff;
             }
-            (l4 as *mut u16).write_unaligned(to.sport);
-            ((l4 + 2) as *mut u16).write_unaligned(to.dport);
+            l4_check.write_unaligned(new);
         }
+        ((l4 + 2) as *mut u16).write_unaligned(dport);
     }
     Some(())
 }
 
-/// Rewrites an skb through the kernel's store and csum helpers.
+/// Rewrites one side of an skb through the kernel's store and csum helpers.
 #[inline(always)]
-pub fn rewrite_tc(ctx: &TcContext, pkt: &Ipv4, to: &Nat) -> Result<(), i64> {
+pub fn rewrite_tc(ctx: &TcContext, pkt: &Ipv4, side: Side, addr: u32, port: u16) -> Result<(), i64> {
     let t = &pkt.tuple;
-    let ports = t.proto == proto::TCP || t.proto == proto::UDP;
+    let (addr_off, port_off, old_addr, old_port) = match side {
+        Side::Src => (ip::SADDR, 0, t.saddr, t.sport),
+        Side::Dst => (ip::DADDR, 2, t.daddr, t.dport),
+    };
     let l4_check = pkt.l4_check();
-    let mangled = if t.proto == proto::UDP { BPF_F_MARK_MANGLED_0 } else { 0 } as u64;
-    let pseudo = BPF_F_PSEUDO_HDR as u64 | mangled | 4;
-    for (offset, old, new) in [(ip::SADDR, t.saddr, to.saddr), (ip::DADDR, t.daddr, to.daddr)] {
-        if old != new {
-            if ports {
-                ctx.l4_csum_replace(l4_check, old as u64, new as u64, pseudo)?;
-            }
-            ctx.l3_csum_replace(pkt.l3 + ip::CHECK, old as u64, new as u64, 4)?;
-            ctx.store(pkt.l3 + offset, &new, 0)?;
-        }
+    let mangled = if t.proto == proto::UDP {
+        BPF_F_MARK_MANGLED_0
+    } else {
+        0
+    } as u64;
+    if old_addr != addr {
+        ctx.l4_csum_replace(
+            l4_check,
+            old_addr as u64,
+            addr as u64,
+            BPF_F_PSEUDO_HDR as u64 | mangled | 4,
+        )?;
+        ctx.l3_csum_replace(pkt.l3 + ip::CHECK, old_addr as u64, addr as u64, 4)?;
+        ctx.store(pkt.l3 + addr_off, &addr, 0)?;
     }
-    if ports {
-        for (offset, old, new) in [(0, t.sport, to.sport), (2, t.dport, to.dport)] {
-            if old != new {
-                ctx.l4_csum_replace(l4_check, old as u64, new as u64, mangled | 2)?;
-                ctx.store(pkt.l4 + offset, &new, 0)?;
-            }
-        }
+    if old_port != port {
+        ctx.l4_csum_replace(l4_check, old_port as u64, port as u64, mangled | 2)?;
+        ctx.store(pkt.l4 + port_off, &port, 0)?;
     }
     Ok(())
 }

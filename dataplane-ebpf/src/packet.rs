@@ -99,7 +99,11 @@ impl Ipv4 {
     /// Offset of the L4 checksum field, for the protocols we rewrite.
     #[inline(always)]
     pub fn l4_check(&self) -> usize {
-        if self.tuple.proto == proto::TCP { self.l4 + 16 } else { self.l4 + 6 }
+        if self.tuple.proto == proto::TCP {
+            self.l4 + 16
+        } else {
+            self.l4 + 6
+        }
     }
 }
 

@@ -1,31 +1,27 @@
-//! TC programs: reverse translation of replies from backends on this node.
+//! TC programs: the conntrack half of translation that XDP cannot do.
 //!
-//! `tc_pod_ingress` (pod-facing host interfaces) sees a local backend's reply
-//! before the host routes it, which matters when the flow was SNATed to the
-//! node: the reply is addressed to the node and would otherwise be delivered
-//! to it. `tc_egress` (external devices) catches replies of host-network
-//! backends. A packet already reverse-translated no longer matches any
-//! entry, so a reply seen by both is translated once.
+//! `tc_egress` (external devices and pod-facing host interfaces, egress)
+//! rewrites sources of packets leaving the node's stack: SNAT of forward
+//! packets, restoring the frontend address on replies. `tc_pod_ingress`
+//! (pod-facing host interfaces, ingress) rewrites destinations of packets
+//! from pods before the host routes them: replies to a SNATed flow go back
+//! to the client. See `ct::create` for the four entries of a flow.
 
 use aya_ebpf::{bindings::TC_ACT_OK, programs::TcContext};
-use dataplane_common::{
-    config::config_flags,
-    ct::ct_flags,
-    proto,
-    stats::Event,
-};
+use dataplane_common::{config::config_flags, ct::ct_flags, proto, stats::Event};
 
 use crate::{
     ct,
     maps::CONFIG,
-    nat::{self, Nat},
+    nat::{self, Side},
     packet::{ETH_HLEN, Parsed, parse},
+    stats,
 };
 
 /// Enough linear data for L2 (two tags), IP with options and a TCP header.
 const PULL_LEN: u32 = (ETH_HLEN + 8 + 60 + 20) as u32;
 
-pub fn run(ctx: &TcContext) -> (i32, Event) {
+pub fn run(ctx: &TcContext, side: Side) -> (i32, Event) {
     let Some(cfg) = CONFIG.get(0) else {
         return (TC_ACT_OK, Event::Pass);
     };
@@ -47,15 +43,22 @@ pub fn run(ctx: &TcContext) -> (i32, Event) {
     let Some(e) = ct::lookup(cfg, &pkt.tuple, now) else {
         return (TC_ACT_OK, Event::Pass);
     };
-    // SAFETY: map value pointer.
-    let entry = unsafe { *e };
-    if entry.flags & ct_flags::REPLY == 0 {
+    // SAFETY: map value pointer, valid for this run.
+    let entry = unsafe { &*e };
+    let reply = entry.flags & ct_flags::REPLY != 0;
+    if !reply && !ct::backend_valid(entry) {
         return (TC_ACT_OK, Event::Pass);
     }
-    match nat::rewrite_tc(ctx, &pkt, &Nat::of(&entry)) {
+    let (addr, port) = nat::target(entry, side);
+    match nat::rewrite_tc(ctx, &pkt, side, addr, port) {
         Ok(()) => {
             ct::touch(e, now, pkt.tcp_flags);
-            (TC_ACT_OK, Event::Reply)
+            if reply {
+                (TC_ACT_OK, Event::Reply)
+            } else {
+                stats::count_service(entry.service_id, pkt.tot_len as u64);
+                (TC_ACT_OK, Event::Established)
+            }
         }
         Err(_) => (TC_ACT_OK, Event::Malformed),
     }

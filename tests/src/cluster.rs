@@ -13,6 +13,12 @@
 //! has a /32 route per pod and routes the other node's pod CIDR via the other
 //! node's LAN address. IPv6 is disabled everywhere so counters only see what a
 //! test sends. Nothing here touches the root network namespace.
+//!
+//! Like frames from a physical wire, frames here carry complete checksums:
+//! transmit checksum offload is off on every veth (XDP sees raw frames and
+//! cannot know an skb's CHECKSUM_PARTIAL state). GRO is on at the switch
+//! ports so that XDP_TX from a node's `eth0` reaches its veth peer (veth
+//! needs NAPI on the receiving side for XDP-transmitted frames).
 
 use std::net::Ipv4Addr;
 
@@ -112,6 +118,12 @@ impl Cluster {
                 };
                 plug_into_lan(&host, &switch, &name);
                 host.ns.sysctl("net/ipv4/ip_forward", "1");
+                // Translated flows are forwarded out the device they came in
+                // on; redirects to the client would only be noise.
+                for key in ["all", "default", EXTERNAL_DEVICE] {
+                    host.ns
+                        .sysctl(&format!("net/ipv4/conf/{key}/send_redirects"), "0");
+                }
                 Node {
                     name,
                     host,
@@ -160,6 +172,8 @@ impl Cluster {
         ));
         n.ns()
             .sysctl(&format!("net/ipv4/conf/{host_veth}/rp_filter"), "0");
+        n.ns().ethtool_features(&host_veth, &["tx", "off"]);
+        ns.ethtool_features("eth0", &["tx", "off"]);
         ns.ip_batch(&format!(
             "addr add {ip}/32 dev eth0\n\
              link set eth0 up\n\
@@ -230,4 +244,6 @@ fn plug_into_lan(host: &Host, switch: &NetNs, port: &str) {
         switch.name(),
         &format!("link set {port} master br0\nlink set {port} up\n"),
     );
+    host.ns.ethtool_features(EXTERNAL_DEVICE, &["tx", "off"]);
+    switch.ethtool_features(port, &["tx", "off", "gro", "on"]);
 }

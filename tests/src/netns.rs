@@ -121,6 +121,16 @@ impl NetNs {
         });
     }
 
+    /// `ethtool -K DEVICE FEATURES...` inside this namespace.
+    pub fn ethtool_features(&self, device: &str, features: &[&str]) {
+        let mut cmd = self.command("ethtool");
+        cmd.args(["-K", device]).args(features);
+        run_checked(
+            &mut cmd,
+            &format!("ethtool -K {device} {} (in {})", features.join(" "), self.name),
+        );
+    }
+
     /// A command that runs inside this namespace (`ip netns exec`).
     pub fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new("ip");

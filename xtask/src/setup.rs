@@ -12,13 +12,15 @@ pub enum Mode {
     Install,
 }
 
-/// Debian packages: LLVM 22 for bpf-linker, iproute2 for the sandbox.
+/// Debian packages: LLVM 22 for bpf-linker; iproute2 and ethtool for the
+/// network-namespace sandbox.
 const DEBIAN_PACKAGES: &[&str] = &[
     "llvm-22-dev",
     "libpolly-22-dev",
     "zlib1g-dev",
     "libzstd-dev",
     "iproute2",
+    "ethtool",
 ];
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 const NIGHTLY: &str = "nightly";

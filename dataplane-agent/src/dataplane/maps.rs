@@ -12,8 +12,8 @@ use dataplane_common::{
     config::{Cidr4, DpConfig, MAX_SERVICE_CIDRS, config_flags},
     ct::{Ct4Entry, Ct4Key},
     lb4::{
-        Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData, backend_flags,
-        scope, service_flags,
+        Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData,
+        backend_flags, scope, service_flags,
     },
     limits, names,
     stats::{Counter, Event},
@@ -61,7 +61,10 @@ impl DatapathConfig {
             )));
         }
         if self.snat_ports.0 == 0 || self.snat_ports.0 > self.snat_ports.1 {
-            return Err(DatapathError::Invalid(format!("bad SNAT port range {:?}", self.snat_ports)));
+            return Err(DatapathError::Invalid(format!(
+                "bad SNAT port range {:?}",
+                self.snat_ports
+            )));
         }
         let cidr = |c: &Ipv4Cidr| Cidr4 {
             addr: be32(c.addr()),
@@ -73,7 +76,12 @@ impl DatapathConfig {
         }
         let secs = |d: Duration| d.as_secs().clamp(1, u32::MAX as u64) as u32;
         Ok(DpConfig {
-            flags: config_flags::CONFIGURED | if self.masquerade_all { config_flags::MASQUERADE_ALL } else { 0 },
+            flags: config_flags::CONFIGURED
+                | if self.masquerade_all {
+                    config_flags::MASQUERADE_ALL
+                } else {
+                    0
+                },
             snat_ip: be32(self.snat_ip),
             cluster_cidr: self.cluster_cidr.as_ref().map(cidr).unwrap_or_default(),
             service_cidrs,
@@ -167,6 +175,15 @@ pub enum FrontendKind {
 }
 
 impl FrontendKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FrontendKind::ClusterIp => "ClusterIP",
+            FrontendKind::NodePort => "NodePort",
+            FrontendKind::ExternalIp => "ExternalIP",
+            FrontendKind::LoadBalancer => "LoadBalancer",
+        }
+    }
+
     fn flag(self) -> u16 {
         match self {
             FrontendKind::ClusterIp => service_flags::CLUSTER_IP,
@@ -186,25 +203,27 @@ pub enum EmptyVerdict {
     Drop,
 }
 
+/// A backend set; `B` is how backends are named: [`BackendId`] in the maps,
+/// an address key in the desired state (ids are assigned by the diff).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct BackendSet {
-    pub backends: Vec<BackendId>,
+pub struct BackendSet<B = BackendId> {
+    pub backends: Vec<B>,
     pub when_empty: EmptyVerdict,
 }
 
 /// Everything the datapath needs to serve one frontend.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct FrontendEntry {
+pub struct FrontendEntry<B = BackendId> {
     /// The Service port this frontend belongs to (stats, affinity, source
     /// ranges are per service port, shared by all its frontends).
     pub service_id: u32,
     pub kind: FrontendKind,
     /// The set every source uses (for an eTP=Local external destination: the
     /// local set, used by sources outside the cluster).
-    pub backends: BackendSet,
+    pub backends: BackendSet<B>,
     /// eTP=Local external destinations: the cluster set that in-cluster
     /// sources use (kube-proxy's short-circuit).
-    pub internal_backends: Option<BackendSet>,
+    pub internal_backends: Option<BackendSet<B>>,
     /// SNAT new flows to the node (eTP=Cluster external destinations).
     pub masquerade: bool,
     /// `sessionAffinity: ClientIP` timeout.
@@ -272,7 +291,10 @@ impl LbMaps {
     }
 
     pub fn backend(&self, id: BackendId) -> Result<Option<Backend>, DatapathError> {
-        let b = self.backends.get(&id.get(), 0).map_err(err(names::LB4_BACKENDS))?;
+        let b = self
+            .backends
+            .get(&id.get(), 0)
+            .map_err(err(names::LB4_BACKENDS))?;
         Ok(Backend::from_abi(&b))
     }
 
@@ -369,7 +391,11 @@ impl LbMaps {
         set: &BackendSet,
         head: Lb4Service,
     ) -> Result<(), DatapathError> {
-        let old_count = self.services.get(&fe.key(scope, 0), 0).map(|s| s.count).unwrap_or(0);
+        let old_count = self
+            .services
+            .get(&fe.key(scope, 0), 0)
+            .map(|s| s.count)
+            .unwrap_or(0);
         for (i, id) in set.backends.iter().enumerate() {
             let slot = Lb4Service {
                 backend_id: id.get(),
@@ -406,7 +432,11 @@ impl LbMaps {
     }
 
     /// The frontend's slot-0 entry and backend ids of one scope, as stored.
-    pub fn frontend(&self, fe: &Frontend, scope: u8) -> Result<Option<(Lb4Service, Vec<u32>)>, DatapathError> {
+    pub fn frontend(
+        &self,
+        fe: &Frontend,
+        scope: u8,
+    ) -> Result<Option<(Lb4Service, Vec<u32>)>, DatapathError> {
         let head = match self.services.get(&fe.key(scope, 0), 0) {
             Ok(h) => h,
             Err(MapError::KeyNotFound) => return Ok(None),
@@ -414,7 +444,10 @@ impl LbMaps {
         };
         let mut ids = Vec::with_capacity(head.count as usize);
         for slot in 1..=head.count {
-            let s = self.services.get(&fe.key(scope, slot), 0).map_err(err(names::LB4_SERVICES))?;
+            let s = self
+                .services
+                .get(&fe.key(scope, slot), 0)
+                .map_err(err(names::LB4_SERVICES))?;
             ids.push(s.backend_id);
         }
         Ok(Some((head, ids)))
@@ -459,7 +492,10 @@ impl LbMaps {
 
     /// Deletes the conntrack entries `stale` selects (e.g. UDP flows pinned
     /// to a backend that stopped serving); returns how many.
-    pub fn purge_conntrack(&mut self, stale: impl Fn(&Ct4Key, &Ct4Entry) -> bool) -> Result<usize, DatapathError> {
+    pub fn purge_conntrack(
+        &mut self,
+        stale: impl Fn(&Ct4Key, &Ct4Entry) -> bool,
+    ) -> Result<usize, DatapathError> {
         let victims: Vec<Ct4Key> = self
             .conntrack()?
             .into_iter()
@@ -505,7 +541,11 @@ impl LbMaps {
     }
 }
 
-fn sum_per_cpu(map: &PerCpuArray<MapData, Counter>, index: u32, name: &'static str) -> Result<Counter, DatapathError> {
+fn sum_per_cpu(
+    map: &PerCpuArray<MapData, Counter>,
+    index: u32,
+    name: &'static str,
+) -> Result<Counter, DatapathError> {
     let per_cpu = map.get(&index, 0).map_err(err(name))?;
     let mut total = Counter::default();
     per_cpu.iter().for_each(|c| total.merge(c));

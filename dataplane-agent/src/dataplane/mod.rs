@@ -14,7 +14,10 @@ use aya::{
     programs::{ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode},
 };
 use dataplane_common::{limits, names};
-pub use maps::{Backend, BackendId, BackendSet, DatapathConfig, EmptyVerdict, Frontend, FrontendEntry, FrontendKind, LbMaps};
+pub use maps::{
+    Backend, BackendId, BackendSet, DatapathConfig, EmptyVerdict, Frontend, FrontendEntry, FrontendKind,
+    LbMaps,
+};
 
 /// The kernel object built by build.rs (`dataplane-ebpf`, release, with BTF).
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dataplane"));
@@ -145,15 +148,21 @@ impl Datapath {
         Ok(())
     }
 
-    /// Attaches the reply program to a pod-facing host interface (TC ingress).
+    /// Attaches to a pod-facing host interface: TC ingress (replies from
+    /// local backends) and TC egress (SNAT towards local backends).
     pub fn attach_pod_interface(&mut self, device: &str) -> Result<(), DatapathError> {
-        program::<SchedClassifier>(&mut self.ebpf, names::TC_POD_INGRESS)?
-            .attach(device, TcAttachType::Ingress)
-            .map_err(|source| DatapathError::Attach {
-                name: names::TC_POD_INGRESS,
-                device: device.to_owned(),
-                source,
-            })?;
+        for (name, direction) in [
+            (names::TC_POD_INGRESS, TcAttachType::Ingress),
+            (names::TC_EGRESS, TcAttachType::Egress),
+        ] {
+            program::<SchedClassifier>(&mut self.ebpf, name)?
+                .attach(device, direction)
+                .map_err(|source| DatapathError::Attach {
+                    name,
+                    device: device.to_owned(),
+                    source,
+                })?;
+        }
         Ok(())
     }
 
@@ -205,4 +214,3 @@ fn take<T>(
     let map = ebpf.take_map(name).ok_or(DatapathError::MissingMap(name))?;
     convert(map).map_err(|source| DatapathError::Map { name, source })
 }
-

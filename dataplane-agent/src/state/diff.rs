@@ -1,0 +1,253 @@
+//! From (current, desired) to ordered map operations.
+//!
+//! [`Programmer`] remembers what it wrote (the current table) and turns each
+//! new desired table into the minimal list of [`Op`]s, ordered so that a
+//! packet never sees a half-written service: backends and source ranges
+//! first, then frontends (each written slots-then-slot-0 by the map layer),
+//! removals last and in reverse. Backend ids come from a free list and are
+//! released only once no frontend refers to them.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::Ipv4Addr,
+};
+
+use super::desired::{BackendKey, DesiredTable};
+use crate::{
+    dataplane::{Backend, BackendId, BackendSet, DatapathError, Frontend, FrontendEntry, LbMaps},
+    net::Ipv4Cidr,
+};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    SetBackend(BackendId, Backend),
+    AddSourceRange(u32, Ipv4Cidr),
+    SetServiceAddress(Ipv4Addr),
+    SetFrontend(Frontend, FrontendEntry),
+    RemoveFrontend(Frontend),
+    RemoveServiceAddress(Ipv4Addr),
+    RemoveSourceRange(u32, Ipv4Cidr),
+    RemoveBackend(BackendId),
+    /// Clear UDP conntrack entries pinned to backends that are gone.
+    PurgeUdpFlows(Vec<BackendId>),
+}
+
+/// Applies operations: the real maps, or a fake in tests.
+pub trait MapWriter {
+    fn apply(&mut self, op: &Op) -> Result<(), DatapathError>;
+}
+
+impl MapWriter for LbMaps {
+    fn apply(&mut self, op: &Op) -> Result<(), DatapathError> {
+        match op {
+            Op::SetBackend(id, b) => self.set_backend(*id, b),
+            Op::AddSourceRange(id, r) => self.add_source_range(*id, *r),
+            Op::SetServiceAddress(a) => self.set_service_address(*a),
+            Op::SetFrontend(fe, e) => self.set_frontend(fe, e),
+            Op::RemoveFrontend(fe) => self.remove_frontend(fe),
+            Op::RemoveServiceAddress(a) => self.remove_service_address(*a),
+            Op::RemoveSourceRange(id, r) => self.remove_source_range(*id, *r),
+            Op::RemoveBackend(id) => self.remove_backend(*id),
+            Op::PurgeUdpFlows(ids) => self.purge_udp_flows_to(ids).map(|_| ()),
+        }
+    }
+}
+
+/// Backend ids: lowest free first, never 0, never beyond `capacity - 1`.
+#[derive(Clone, Debug)]
+pub struct IdAllocator {
+    free: BTreeSet<u32>,
+    next: u32,
+    capacity: u32,
+}
+
+impl IdAllocator {
+    pub fn new(capacity: u32) -> Self {
+        Self {
+            free: BTreeSet::new(),
+            next: 1,
+            capacity,
+        }
+    }
+
+    pub fn allocate(&mut self) -> Option<BackendId> {
+        if let Some(id) = self.free.pop_first() {
+            return BackendId::new(id);
+        }
+        if self.next >= self.capacity {
+            return None;
+        }
+        self.next += 1;
+        BackendId::new(self.next - 1)
+    }
+
+    pub fn release(&mut self, id: BackendId) {
+        self.free.insert(id.get());
+    }
+}
+
+/// What the maps hold (as far as this process wrote them) and how to move
+/// them to a desired table.
+#[derive(Clone, Debug)]
+pub struct Programmer {
+    ids: IdAllocator,
+    backend_ids: BTreeMap<BackendKey, BackendId>,
+    backends: BTreeMap<BackendKey, Backend>,
+    frontends: BTreeMap<Frontend, FrontendEntry>,
+    service_addresses: BTreeSet<Ipv4Addr>,
+    source_ranges: BTreeSet<(u32, Ipv4Cidr)>,
+}
+
+/// Counts of one plan, for logs and metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PlanSummary {
+    pub ops: usize,
+    pub frontends_set: usize,
+    pub frontends_removed: usize,
+    pub backends_set: usize,
+    pub backends_removed: usize,
+    /// Frontends skipped because a backend id could not be allocated.
+    pub skipped: usize,
+}
+
+impl Programmer {
+    pub fn new(backend_capacity: u32) -> Self {
+        Self {
+            ids: IdAllocator::new(backend_capacity),
+            backend_ids: BTreeMap::new(),
+            backends: BTreeMap::new(),
+            frontends: BTreeMap::new(),
+            service_addresses: BTreeSet::new(),
+            source_ranges: BTreeSet::new(),
+        }
+    }
+
+    /// The id a backend has in the maps.
+    pub fn backend_id(&self, key: &BackendKey) -> Option<BackendId> {
+        self.backend_ids.get(key).copied()
+    }
+
+    /// The ordered operations that turn the current table into `desired`;
+    /// the programmer then considers them done.
+    pub fn plan(&mut self, desired: &DesiredTable) -> (Vec<Op>, PlanSummary) {
+        let mut ops = Vec::new();
+        let mut summary = PlanSummary::default();
+
+        // 1. Backends: new ones get ids; changed ones (e.g. now terminating)
+        //    are rewritten in place.
+        for (key, backend) in &desired.backends {
+            let id = match self.backend_ids.get(key) {
+                Some(id) => *id,
+                None => match self.ids.allocate() {
+                    Some(id) => {
+                        self.backend_ids.insert(*key, id);
+                        id
+                    }
+                    None => continue, // frontends using it are skipped below
+                },
+            };
+            if self.backends.get(key) != Some(backend) {
+                self.backends.insert(*key, *backend);
+                ops.push(Op::SetBackend(id, *backend));
+                summary.backends_set += 1;
+            }
+        }
+        // 2. Source ranges and service addresses before the frontends that
+        //    rely on them.
+        for r in desired.source_ranges.difference(&self.source_ranges) {
+            ops.push(Op::AddSourceRange(r.0, r.1));
+        }
+        for a in desired.service_addresses.difference(&self.service_addresses) {
+            ops.push(Op::SetServiceAddress(*a));
+        }
+        // 3. Frontends, created or changed.
+        let mut frontends = BTreeMap::new();
+        for (fe, entry) in &desired.frontends {
+            let Some(entry) = self.resolve(entry) else {
+                summary.skipped += 1;
+                continue;
+            };
+            if self.frontends.get(fe) != Some(&entry) {
+                ops.push(Op::SetFrontend(*fe, entry.clone()));
+                summary.frontends_set += 1;
+            }
+            frontends.insert(*fe, entry);
+        }
+        // 4. Removals, in reverse order of dependence.
+        for fe in self.frontends.keys().filter(|fe| !frontends.contains_key(fe)) {
+            ops.push(Op::RemoveFrontend(*fe));
+            summary.frontends_removed += 1;
+        }
+        self.frontends = frontends;
+        for a in self.service_addresses.difference(&desired.service_addresses) {
+            ops.push(Op::RemoveServiceAddress(*a));
+        }
+        for r in self.source_ranges.difference(&desired.source_ranges) {
+            ops.push(Op::RemoveSourceRange(r.0, r.1));
+        }
+        self.service_addresses = desired.service_addresses.clone();
+        self.source_ranges = desired.source_ranges.clone();
+        let gone: Vec<BackendKey> = self
+            .backend_ids
+            .keys()
+            .filter(|k| !desired.backends.contains_key(k))
+            .copied()
+            .collect();
+        let mut purged = Vec::new();
+        for key in gone {
+            let id = self.backend_ids.remove(&key).expect("listed above");
+            self.backends.remove(&key);
+            ops.push(Op::RemoveBackend(id));
+            self.ids.release(id);
+            summary.backends_removed += 1;
+            if key.proto == crate::net::Protocol::Udp {
+                purged.push(id);
+            }
+        }
+        if !purged.is_empty() {
+            ops.push(Op::PurgeUdpFlows(purged));
+        }
+        summary.ops = ops.len();
+        (ops, summary)
+    }
+
+    fn resolve(&self, entry: &FrontendEntry<BackendKey>) -> Option<FrontendEntry> {
+        let set = |s: &BackendSet<BackendKey>| -> Option<BackendSet> {
+            Some(BackendSet {
+                backends: s
+                    .backends
+                    .iter()
+                    .map(|k| self.backend_ids.get(k).copied())
+                    .collect::<Option<Vec<_>>>()?,
+                when_empty: s.when_empty,
+            })
+        };
+        Some(FrontendEntry {
+            service_id: entry.service_id,
+            kind: entry.kind,
+            backends: set(&entry.backends)?,
+            internal_backends: match &entry.internal_backends {
+                Some(s) => Some(set(s)?),
+                None => None,
+            },
+            masquerade: entry.masquerade,
+            affinity_timeout: entry.affinity_timeout,
+            source_ranges: entry.source_ranges,
+            external_local: entry.external_local,
+            internal_local: entry.internal_local,
+        })
+    }
+
+    /// Plans and applies; stops at the first failing operation.
+    pub fn sync(
+        &mut self,
+        writer: &mut impl MapWriter,
+        desired: &DesiredTable,
+    ) -> Result<PlanSummary, DatapathError> {
+        let (ops, summary) = self.plan(desired);
+        for op in &ops {
+            writer.apply(op)?;
+        }
+        Ok(summary)
+    }
+}

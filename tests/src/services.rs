@@ -1,0 +1,211 @@
+//! Running the datapath on the sandbox's nodes and programming Services into
+//! it through the agent's own code path (desired state → diff → maps).
+
+use std::{net::Ipv4Addr, time::Duration};
+
+use dataplane_agent::{
+    dataplane::{Datapath, DatapathConfig, LoadOptions},
+    net::{Ipv4Cidr, Protocol},
+    state::{
+        desired,
+        diff::Programmer,
+        model::{Endpoint, NodeContext, ServicePort},
+    },
+};
+
+use crate::cluster::{CLUSTER_CIDR, Cluster, EXTERNAL_DEVICE};
+
+/// Service CIDR of the sandbox.
+pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// Where the sandbox's LoadBalancer and external IPs live; the client routes
+/// it through node1 (like an upstream router would).
+pub const EXTERNAL_VIP_RANGE: &str = "198.19.0.0/24";
+
+/// A Service port with endpoints placed on nodes; turned into each node's
+/// [`ServicePort`] (which endpoints are local depends on the node).
+#[derive(Clone, Debug)]
+pub struct TestService {
+    pub id: u32,
+    pub port: ServicePort,
+    pub endpoints: Vec<TestEndpoint>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct TestEndpoint {
+    pub addr: Ipv4Addr,
+    pub port: u16,
+    pub node: usize,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+}
+
+impl TestEndpoint {
+    pub fn ready(addr: Ipv4Addr, port: u16, node: usize) -> Self {
+        Self {
+            addr,
+            port,
+            node,
+            ready: true,
+            serving: true,
+            terminating: false,
+        }
+    }
+    pub fn terminating(mut self) -> Self {
+        self.ready = false;
+        self.terminating = true;
+        self
+    }
+}
+
+impl TestService {
+    pub fn new(id: u32, name: &str, proto: Protocol, port: u16) -> Self {
+        Self {
+            id,
+            port: ServicePort {
+                namespace: "default".into(),
+                name: name.into(),
+                port_name: String::new(),
+                proto,
+                port,
+                cluster_ips: Vec::new(),
+                node_port: None,
+                external_ips: Vec::new(),
+                load_balancer_ips: Vec::new(),
+                load_balancer_source_ranges: Vec::new(),
+                external_policy_local: false,
+                internal_policy_local: false,
+                affinity_timeout: None,
+                endpoints: Vec::new(),
+            },
+            endpoints: Vec::new(),
+        }
+    }
+    pub fn cluster_ip(mut self, ip: Ipv4Addr) -> Self {
+        self.port.cluster_ips.push(ip);
+        self
+    }
+    pub fn node_port(mut self, port: u16) -> Self {
+        self.port.node_port = Some(port);
+        self
+    }
+    pub fn external_ip(mut self, ip: Ipv4Addr) -> Self {
+        self.port.external_ips.push(ip);
+        self
+    }
+    pub fn load_balancer_ip(mut self, ip: Ipv4Addr) -> Self {
+        self.port.load_balancer_ips.push(ip);
+        self
+    }
+    pub fn source_range(mut self, cidr: &str) -> Self {
+        self.port
+            .load_balancer_source_ranges
+            .push(cidr.parse().expect("cidr"));
+        self
+    }
+    pub fn external_local(mut self) -> Self {
+        self.port.external_policy_local = true;
+        self
+    }
+    pub fn internal_local(mut self) -> Self {
+        self.port.internal_policy_local = true;
+        self
+    }
+    pub fn affinity(mut self, timeout: Duration) -> Self {
+        self.port.affinity_timeout = Some(timeout);
+        self
+    }
+    pub fn endpoint(mut self, ep: TestEndpoint) -> Self {
+        self.endpoints.push(ep);
+        self
+    }
+
+    /// The Service port as node `node` sees it.
+    pub fn for_node(&self, node: usize) -> ServicePort {
+        let mut port = self.port.clone();
+        port.endpoints = self
+            .endpoints
+            .iter()
+            .map(|e| Endpoint {
+                addr: e.addr,
+                port: e.port,
+                ready: e.ready,
+                serving: e.serving,
+                terminating: e.terminating,
+                local: e.node == node,
+            })
+            .collect();
+        port
+    }
+}
+
+/// The datapath of one sandbox node, with the agent's programmer.
+pub struct NodeDatapath {
+    pub datapath: Datapath,
+    pub programmer: Programmer,
+    pub node: usize,
+    pub node_ip: Ipv4Addr,
+}
+
+impl NodeDatapath {
+    /// Programs exactly `services` (anything else programmed before is
+    /// removed), as the agent's sync does.
+    pub fn program(&mut self, services: &[&TestService]) {
+        let ports: Vec<(u32, ServicePort)> = services.iter().map(|s| (s.id, s.for_node(self.node))).collect();
+        let node = NodeContext {
+            node_port_addresses: vec![self.node_ip],
+            node_ips: vec![self.node_ip],
+        };
+        let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &node);
+        assert!(
+            table.problems.is_empty(),
+            "unexpected problems: {:?}",
+            table.problems
+        );
+        self.programmer
+            .sync(self.datapath.maps_mut(), &table)
+            .expect("programming the maps");
+    }
+}
+
+impl Cluster {
+    /// Loads the datapath for node `node`, attaches it to the node's
+    /// external device and to the host side of every pod on the node, and
+    /// writes the node's config.
+    pub fn start_datapath(&self, node: usize) -> NodeDatapath {
+        let opts = LoadOptions {
+            max_services: 1024,
+            max_backends: 1024,
+            max_service_entries: 8192,
+            ct_entries: 8192,
+            affinity_entries: 1024,
+        };
+        let mut datapath = Datapath::load_with(&opts).expect("load the datapath");
+        let n = &self.nodes[node];
+        let pod_veths: Vec<String> = self
+            .pods
+            .iter()
+            .filter(|p| p.node == node)
+            .map(|p| p.host_veth.clone())
+            .collect();
+        n.ns()
+            .run(|| -> Result<(), dataplane_agent::dataplane::DatapathError> {
+                datapath.attach_external(EXTERNAL_DEVICE)?;
+                for veth in &pod_veths {
+                    datapath.attach_pod_interface(veth)?;
+                }
+                Ok(())
+            })
+            .expect("attach the datapath");
+        let mut config = DatapathConfig::new(n.ip());
+        config.cluster_cidr = Some(CLUSTER_CIDR.parse::<Ipv4Cidr>().unwrap());
+        config.service_cidrs = vec![SERVICE_CIDR.parse().unwrap()];
+        datapath.maps_mut().set_config(&config).expect("write config");
+        NodeDatapath {
+            datapath,
+            programmer: Programmer::new(opts.max_backends),
+            node,
+            node_ip: n.ip(),
+        }
+    }
+}
