@@ -98,10 +98,12 @@ crate::assert_layout!(Lb4Backend, 8, 4);
 pub mod backend_flags {
     /// The id is in use.
     pub const ACTIVE: u8 = 1 << 0;
-    /// The endpoint is terminating (serving, not ready).
+    /// The endpoint is terminating.
     pub const TERMINATING: u8 = 1 << 1;
     /// The endpoint runs on this node.
     pub const LOCAL: u8 = 1 << 2;
+    /// The endpoint is serving (ready, or terminating but still serving).
+    pub const SERVING: u8 = 1 << 3;
 }
 
 #[repr(C)]

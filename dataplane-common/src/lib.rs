@@ -42,6 +42,9 @@ pub mod names {
 
     /// XDP on the node's external devices: north-south translation.
     pub const XDP_INGRESS: &str = "xdp_ingress";
+    /// Parse and pass: the benchmarks' floor, and a pass-through for veth
+    /// peers (which receive XDP_TX frames only when they run XDP).
+    pub const XDP_FLOOR: &str = "xdp_floor";
     /// TC egress on external devices and pod-facing host interfaces:
     /// source rewrites (SNAT; the frontend address on replies).
     pub const TC_EGRESS: &str = "tc_egress";

@@ -3,7 +3,7 @@
 
 use aya_ebpf::{
     bindings::xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
-    helpers::bpf_xdp_adjust_tail,
+    helpers::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
     programs::XdpContext,
 };
 use dataplane_common::{config::DpConfig, ct::ct_flags, proto, stats::Event};
@@ -50,9 +50,7 @@ pub fn reject_xdp(ctx: &XdpContext, pkt: &Ipv4, event: Event) -> (u32, Event) {
     }
 }
 
-/// Returns 0 on success (a subprogram: its stack is its own). The frame
-/// is resized at its tail, so the L2 header (with any VLAN tags) stays in
-/// place and only the MAC addresses are swapped.
+/// Returns 0 on success (a subprogram: its stack is its own).
 #[inline(never)]
 fn build_reject(ctx: &XdpContext, l3: usize, l4: usize) -> u32 {
     match try_build_reject(ctx, l3, l4) {
@@ -67,11 +65,35 @@ fn try_build_reject(ctx: &XdpContext, l3: usize, l4: usize) -> Option<()> {
         return None;
     }
     let macs: [u8; 12] = load(ctx, 0)?;
+    // Ethertype and VLAN tags: the first l3 - 12 of these bytes.
+    let l2_rest: [u8; 10] = load(ctx, 12)?;
     let quote: [u8; QUOTE] = load(ctx, l3)?;
     let delta = (l3 + REJECT_LEN) as i32 - (ctx.data_end() - ctx.data()) as i32;
-    // SAFETY: helper on our own context; pointers are re-derived after.
-    if delta != 0 && unsafe { bpf_xdp_adjust_tail(ctx.ctx, delta) } != 0 {
-        return None;
+    if delta < 0 {
+        // SAFETY: helper on our own context; pointers are re-derived after.
+        if unsafe { bpf_xdp_adjust_tail(ctx.ctx, delta) } != 0 {
+            return None;
+        }
+    } else if delta > 0 {
+        // At most 48 (a 42-byte frame grows to 90); the mask keeps the
+        // bound visible to the verifier.
+        if delta > 63 {
+            return None;
+        }
+        let grow = (delta as u32 & 0x3f) as usize;
+        // Grow at the head, which every driver supports (tail growth fails
+        // on some, veth among them), and move the ethertype and VLAN tags
+        // to the new start.
+        // SAFETY: as above.
+        if unsafe { bpf_xdp_adjust_head(ctx.ctx, -(grow as i32)) } != 0 {
+            return None;
+        }
+        let r = l2_rest;
+        match l3 {
+            14 => store(ctx, 12, [r[0], r[1]])?,
+            18 => store(ctx, 12, [r[0], r[1], r[2], r[3], r[4], r[5]])?,
+            _ => store(ctx, 12, r)?,
+        }
     }
     let eth = ptr_at::<_, [u8; 12]>(ctx, 0)? as *mut u8;
     let p = ptr_at::<_, [u8; REJECT_LEN]>(ctx, l3)? as *mut u8;

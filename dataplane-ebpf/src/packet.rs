@@ -201,10 +201,8 @@ pub fn parse<C: PacketCtx>(ctx: &C) -> Parsed {
             }
             (tuple.sport, tuple.dport) = (ports[0], ports[1]);
         }
-        proto::ICMP => {
-            if l4_len < 8 || ptr_at::<C, [u8; 8]>(ctx, l4).is_none() {
-                return Parsed::Malformed;
-            }
+        proto::ICMP if l4_len < 8 || ptr_at::<C, [u8; 8]>(ctx, l4).is_none() => {
+            return Parsed::Malformed;
         }
         _ => {}
     }

@@ -16,9 +16,9 @@
 //!
 //! Like frames from a physical wire, frames here carry complete checksums:
 //! transmit checksum offload is off on every veth (XDP sees raw frames and
-//! cannot know an skb's CHECKSUM_PARTIAL state). GRO is on at the switch
-//! ports so that XDP_TX from a node's `eth0` reaches its veth peer (veth
-//! needs NAPI on the receiving side for XDP-transmitted frames).
+//! cannot know an skb's CHECKSUM_PARTIAL state). The switch ports run a
+//! pass-through XDP program (`xdp_floor`): veth delivers XDP_TX frames (the
+//! datapath's ICMP rejects) only to a peer that runs XDP.
 
 use std::net::Ipv4Addr;
 
@@ -81,8 +81,9 @@ pub struct Pod {
 /// The whole sandbox. Dropping it deletes every namespace (and so every
 /// device and attachment in them) and its bpffs directory; fields drop in
 /// declaration order, pods before nodes before the switch.
-#[derive(Debug)]
 pub struct Cluster {
+    /// The switch ports' pass-through XDP (dropped, so detached, first).
+    _port_xdp: aya::Ebpf,
     pub pods: Vec<Pod>,
     pub nodes: Vec<Node>,
     pub client: Host,
@@ -139,8 +140,10 @@ impl Cluster {
                 .ip_batch(&format!("route add {} via {}\n", other.pod_cidr(), other.ip()));
         }
 
+        let port_xdp = switch.run(|| pass_through_xdp(&["client", "node1", "node2"]));
         let bpffs = BpffsDir::new(&prefix);
         Self {
+            _port_xdp: port_xdp,
             pods: Vec::new(),
             nodes,
             client,
@@ -245,5 +248,29 @@ fn plug_into_lan(host: &Host, switch: &NetNs, port: &str) {
         &format!("link set {port} master br0\nlink set {port} up\n"),
     );
     host.ns.ethtool_features(EXTERNAL_DEVICE, &["tx", "off"]);
-    switch.ethtool_features(port, &["tx", "off", "gro", "on"]);
+    switch.ethtool_features(port, &["tx", "off"]);
+}
+
+/// Loads the datapath object with minimal maps and attaches its
+/// `xdp_floor` (parse, pass) to `ports` of the calling thread's namespace.
+fn pass_through_xdp(ports: &[&str]) -> aya::Ebpf {
+    use dataplane_common::names;
+    let mut loader = aya::EbpfLoader::new();
+    for map in names::ALL_MAPS {
+        loader.map_max_entries(map, 1);
+    }
+    let mut ebpf = loader
+        .load(dataplane_agent::dataplane::EBPF_OBJECT)
+        .expect("load the eBPF object for the switch ports");
+    let prog: &mut aya::programs::Xdp = ebpf
+        .program_mut(names::XDP_FLOOR)
+        .expect("xdp_floor")
+        .try_into()
+        .expect("xdp program");
+    prog.load().expect("load xdp_floor");
+    for port in ports {
+        prog.attach(port, aya::programs::XdpMode::default())
+            .unwrap_or_else(|e| panic!("attach xdp_floor to switch port {port}: {e}"));
+    }
+    ebpf
 }

@@ -134,9 +134,12 @@ fn serve_tcp(name: &str, conn: TcpStream) {
 impl Drop for EchoServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        // shutdown(2) wakes a thread blocked in accept(2)/recvfrom(2).
-        // SAFETY: the fd stays open until the thread (which owns it) exits.
-        unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+        // shutdown(2) wakes a thread blocked in accept(2); UDP servers wake
+        // on their read timeout.
+        if self.fd >= 0 {
+            // SAFETY: the fd stays open until the thread (which owns it) exits.
+            unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
+        }
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -11,6 +11,7 @@ pub mod bpffs;
 pub mod cluster;
 pub mod echo;
 pub mod netns;
+pub mod packet;
 pub mod services;
 
 use std::sync::{

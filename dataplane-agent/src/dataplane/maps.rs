@@ -107,12 +107,15 @@ impl BackendId {
     }
 }
 
-/// An endpoint address as the datapath translates to it.
+/// An endpoint address as the datapath translates to it. A backend exists
+/// as long as its endpoint does (whatever its conditions), so established
+/// flows keep it; only the frontends' sets decide where new flows go.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Backend {
     pub addr: Ipv4Addr,
     pub port: u16,
     pub proto: Protocol,
+    pub serving: bool,
     pub terminating: bool,
     pub local: bool,
 }
@@ -120,6 +123,9 @@ pub struct Backend {
 impl Backend {
     fn to_abi(self) -> Lb4Backend {
         let mut flags = backend_flags::ACTIVE;
+        if self.serving {
+            flags |= backend_flags::SERVING;
+        }
         if self.terminating {
             flags |= backend_flags::TERMINATING;
         }
@@ -139,6 +145,7 @@ impl Backend {
             addr: Ipv4Addr::from(u32::from_be(b.address)),
             port: u16::from_be(b.port),
             proto: Protocol::from_number(b.proto).unwrap_or(Protocol::Tcp),
+            serving: b.flags & backend_flags::SERVING != 0,
             terminating: b.flags & backend_flags::TERMINATING != 0,
             local: b.flags & backend_flags::LOCAL != 0,
         })

@@ -132,6 +132,9 @@ impl Programmer {
     pub fn plan(&mut self, desired: &DesiredTable) -> (Vec<Op>, PlanSummary) {
         let mut ops = Vec::new();
         let mut summary = PlanSummary::default();
+        // UDP flows pinned to an endpoint that stops serving (or goes) are
+        // cleared, as kube-proxy does, so that e.g. DNS clients move on.
+        let mut purged = Vec::new();
 
         // 1. Backends: new ones get ids; changed ones (e.g. now terminating)
         //    are rewritten in place.
@@ -147,6 +150,12 @@ impl Programmer {
                 },
             };
             if self.backends.get(key) != Some(backend) {
+                if key.proto == crate::net::Protocol::Udp
+                    && !backend.serving
+                    && self.backends.get(key).is_some_and(|old| old.serving)
+                {
+                    purged.push(id);
+                }
                 self.backends.insert(*key, *backend);
                 ops.push(Op::SetBackend(id, *backend));
                 summary.backends_set += 1;
@@ -193,7 +202,6 @@ impl Programmer {
             .filter(|k| !desired.backends.contains_key(k))
             .copied()
             .collect();
-        let mut purged = Vec::new();
         for key in gone {
             let id = self.backend_ids.remove(&key).expect("listed above");
             self.backends.remove(&key);
@@ -249,5 +257,233 @@ impl Programmer {
             writer.apply(op)?;
         }
         Ok(summary)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::{
+        dataplane::{EmptyVerdict, FrontendKind},
+        net::Protocol,
+    };
+
+    /// The maps as a fake: checks make-before-break after every operation.
+    #[derive(Default)]
+    struct FakeMaps {
+        backends: BTreeMap<BackendId, Backend>,
+        frontends: BTreeMap<Frontend, FrontendEntry>,
+        addresses: BTreeSet<Ipv4Addr>,
+        ranges: BTreeSet<(u32, Ipv4Cidr)>,
+        purged: Vec<BackendId>,
+    }
+
+    impl MapWriter for FakeMaps {
+        fn apply(&mut self, op: &Op) -> Result<(), DatapathError> {
+            match op {
+                Op::SetBackend(id, b) => {
+                    self.backends.insert(*id, *b);
+                }
+                Op::AddSourceRange(id, r) => {
+                    self.ranges.insert((*id, *r));
+                }
+                Op::SetServiceAddress(a) => {
+                    self.addresses.insert(*a);
+                }
+                Op::SetFrontend(f, e) => {
+                    self.frontends.insert(*f, e.clone());
+                }
+                Op::RemoveFrontend(f) => {
+                    self.frontends.remove(f);
+                }
+                Op::RemoveServiceAddress(a) => {
+                    self.addresses.remove(a);
+                }
+                Op::RemoveSourceRange(id, r) => {
+                    self.ranges.remove(&(*id, *r));
+                }
+                Op::RemoveBackend(id) => {
+                    self.backends.remove(id);
+                }
+                Op::PurgeUdpFlows(ids) => self.purged.extend(ids),
+            }
+            // No packet may ever see a frontend pointing at a missing backend.
+            for (f, e) in &self.frontends {
+                let sets = std::iter::once(&e.backends).chain(e.internal_backends.as_ref());
+                for id in sets.flat_map(|s| &s.backends) {
+                    assert!(
+                        self.backends.contains_key(id),
+                        "{f:?} refers to missing backend {id:?} after {op:?}"
+                    );
+                }
+                if e.source_ranges {
+                    assert!(
+                        self.ranges.iter().any(|(sid, _)| *sid == e.service_id),
+                        "{f:?} ranges missing"
+                    );
+                }
+            }
+            Ok(())
+        }
+    }
+
+    /// xorshift: deterministic pseudo-random tables without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    fn key(last: u8, proto: Protocol) -> BackendKey {
+        BackendKey {
+            addr: Ipv4Addr::new(10, 0, 0, last),
+            port: 8080,
+            proto,
+        }
+    }
+
+    fn backend(k: BackendKey, serving: bool) -> Backend {
+        Backend {
+            addr: k.addr,
+            port: k.port,
+            proto: k.proto,
+            serving,
+            terminating: !serving,
+            local: false,
+        }
+    }
+
+    fn random_table(rng: &mut Rng) -> DesiredTable {
+        let mut t = DesiredTable::default();
+        for svc in 0..rng.below(6) as u32 {
+            let proto = if rng.below(2) == 0 {
+                Protocol::Tcp
+            } else {
+                Protocol::Udp
+            };
+            let keys: Vec<BackendKey> = (0..rng.below(5))
+                .map(|_| key(rng.below(12) as u8, proto))
+                .collect();
+            for k in &keys {
+                t.backends.insert(*k, backend(*k, rng.below(4) != 0));
+            }
+            let set = BackendSet {
+                backends: keys.clone(),
+                when_empty: EmptyVerdict::Reject,
+            };
+            let ranged = rng.below(3) == 0;
+            if ranged {
+                t.source_ranges.insert((svc, "198.51.100.0/24".parse().unwrap()));
+            }
+            let addr = Ipv4Addr::new(10, 96, 0, svc as u8);
+            t.service_addresses.insert(addr);
+            t.frontends.insert(
+                Frontend {
+                    addr,
+                    port: 80,
+                    proto,
+                },
+                FrontendEntry {
+                    service_id: svc,
+                    kind: FrontendKind::LoadBalancer,
+                    backends: set.clone(),
+                    internal_backends: (rng.below(2) == 0).then_some(set),
+                    masquerade: false,
+                    affinity_timeout: None,
+                    source_ranges: ranged,
+                    external_local: false,
+                    internal_local: false,
+                },
+            );
+        }
+        t
+    }
+
+    #[test]
+    fn applying_the_plan_yields_the_desired_table_and_never_a_dangling_reference() {
+        let mut rng = Rng(0x9e3779b97f4a7c15);
+        let mut p = Programmer::new(64);
+        let mut maps = FakeMaps::default();
+        for round in 0..500 {
+            let desired = random_table(&mut rng);
+            p.sync(&mut maps, &desired).unwrap();
+            // The fake now holds exactly the desired table, ids resolved.
+            assert_eq!(maps.frontends.len(), desired.frontends.len(), "round {round}");
+            for (f, e) in &desired.frontends {
+                let got = &maps.frontends[f];
+                let names: Vec<BackendKey> = got
+                    .backends
+                    .backends
+                    .iter()
+                    .map(|id| {
+                        let b = maps.backends[id];
+                        key(b.addr.octets()[3], b.proto)
+                    })
+                    .collect();
+                assert_eq!(names, e.backends.backends, "round {round}");
+            }
+            assert_eq!(maps.backends.len(), desired.backends.len(), "round {round}");
+            assert_eq!(maps.addresses, desired.service_addresses);
+            assert_eq!(maps.ranges, desired.source_ranges);
+            // A second plan of the same table changes nothing.
+            assert!(p.plan(&desired).0.is_empty(), "round {round}: not minimal");
+        }
+    }
+
+    #[test]
+    fn ids_are_not_reused_while_referenced_and_are_reused_after_release() {
+        let mut ids = IdAllocator::new(4);
+        let a = ids.allocate().unwrap();
+        let b = ids.allocate().unwrap();
+        let c = ids.allocate().unwrap();
+        assert_eq!([a.get(), b.get(), c.get()], [1, 2, 3]);
+        assert!(ids.allocate().is_none(), "capacity 4 holds ids 1..=3");
+        ids.release(b);
+        assert_eq!(ids.allocate(), Some(b));
+    }
+
+    #[test]
+    fn udp_flows_are_purged_when_their_endpoint_stops_serving_or_goes() {
+        let mut p = Programmer::new(64);
+        let mut maps = FakeMaps::default();
+        let (k1, k2) = (key(1, Protocol::Udp), key(2, Protocol::Udp));
+        let mut t = DesiredTable::default();
+        t.backends.insert(k1, backend(k1, true));
+        t.backends.insert(k2, backend(k2, true));
+        p.sync(&mut maps, &t).unwrap();
+        let (id1, id2) = (p.backend_id(&k1).unwrap(), p.backend_id(&k2).unwrap());
+        assert!(maps.purged.is_empty());
+
+        t.backends.insert(k1, backend(k1, false)); // stops serving
+        p.sync(&mut maps, &t).unwrap();
+        assert_eq!(maps.purged, [id1]);
+
+        t.backends.remove(&k2); // goes
+        p.sync(&mut maps, &t).unwrap();
+        assert_eq!(maps.purged, [id1, id2]);
+    }
+
+    #[test]
+    fn tcp_backends_are_never_purged() {
+        let mut p = Programmer::new(64);
+        let k = key(1, Protocol::Tcp);
+        let mut t = DesiredTable::default();
+        t.backends.insert(k, backend(k, true));
+        p.plan(&t);
+        t.backends.clear();
+        let (ops, _) = p.plan(&t);
+        assert!(
+            !ops.iter().any(|op| matches!(op, Op::PurgeUdpFlows(_))),
+            "{ops:?}"
+        );
     }
 }
