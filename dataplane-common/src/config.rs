@@ -53,9 +53,12 @@ pub mod config_flags {
 }
 
 impl DpConfig {
-    /// Linux's default ephemeral range is 32768-60999; SNAT ports stay out of
-    /// it so they never collide with the node's own connections.
-    pub const DEFAULT_SNAT_PORTS: (u16, u16) = (61_000, 65_535);
+    /// Below Linux's default ephemeral range (32768-60999), so SNATed flows
+    /// never share a tuple with the node's own outgoing connections. Ports
+    /// the node listens on do not matter: replies are matched in conntrack
+    /// before the stack sees them. 31,744 concurrent SNATed flows per backend
+    /// address and port.
+    pub const DEFAULT_SNAT_PORTS: (u16, u16) = (1_024, 32_767);
     pub const DEFAULT_TCP_TIMEOUT_S: u32 = 6 * 3600;
     pub const DEFAULT_TCP_CLOSE_TIMEOUT_S: u32 = 10;
     pub const DEFAULT_UDP_TIMEOUT_S: u32 = 120;

@@ -21,7 +21,7 @@ crate::assert_layout!(Ct4Key, 16, 4);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Ct4Entry {
-    /// `bpf_ktime_get_ns` when a packet last used the entry (refreshed at
+    /// `bpf_ktime_get_coarse_ns` when a packet last used the entry (refreshed at
     /// most once per second).
     pub last_seen_ns: u64,
     /// The tuple packets end up with (network order); ingress hooks apply the

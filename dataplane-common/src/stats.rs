@@ -19,57 +19,84 @@ impl Counter {
     }
 }
 
-/// What happened to a packet: slots of [`crate::names::COUNTERS`].
+/// The program that counted: [`crate::names::COUNTERS`] has one block of
+/// [`HOOK_STRIDE`] slots per hook, indexed by [`Event`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hook {
+    XdpIngress = 0,
+    TcEgress = 1,
+    TcPodIngress = 2,
+}
+
+impl Hook {
+    pub const ALL: [Hook; 3] = [Hook::XdpIngress, Hook::TcEgress, Hook::TcPodIngress];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Hook::XdpIngress => "xdp_ingress",
+            Hook::TcEgress => "tc_egress",
+            Hook::TcPodIngress => "tc_pod_ingress",
+        }
+    }
+}
+
+/// Slots per hook in [`crate::names::COUNTERS`].
+pub const HOOK_STRIDE: u32 = 32;
+
+/// Index of (hook, event) in [`crate::names::COUNTERS`].
+#[inline(always)]
+pub const fn counter_index(hook: Hook, event: Event) -> u32 {
+    hook as u32 * HOOK_STRIDE + event as u32
+}
+
+/// What happened to a packet. Every packet a hook sees is counted under
+/// exactly one event, so a hook's packets are the sum of its events.
 /// Append-only: the numbers are ABI (inspect and metrics read them).
 #[repr(u32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Event {
-    /// Every frame `xdp_ingress` saw.
-    XdpRx = 0,
     /// Passed untouched: not for a Service.
-    Pass = 1,
+    Pass = 0,
     /// First packet of a flow: backend chosen, translated.
-    NewFlow = 2,
+    NewFlow = 1,
     /// Translated by an existing conntrack entry (original direction).
-    Established = 3,
+    Established = 2,
     /// Reply reverse-translated.
-    Reply = 4,
+    Reply = 3,
     /// ICMP error about a translated flow rewritten for the client.
-    IcmpErrorTranslated = 5,
+    IcmpErrorTranslated = 4,
     /// Fragment of a datagram: passed untouched (not translated).
-    Fragment = 6,
+    Fragment = 5,
     /// Rejected with ICMP port-unreachable: the service has no endpoints.
-    RejectNoEndpoints = 7,
+    RejectNoEndpoints = 6,
     /// Rejected with ICMP port-unreachable: a Service address on a port it
     /// does not serve.
-    RejectUnknownPort = 8,
+    RejectUnknownPort = 7,
     /// Dropped: a Local traffic policy and no local endpoint.
-    DropNoLocalEndpoint = 9,
+    DropNoLocalEndpoint = 8,
     /// Dropped: source outside loadBalancerSourceRanges.
-    DropSourceRange = 10,
+    DropSourceRange = 9,
     /// Dropped: an address in a service CIDR that no Service holds.
-    DropUnallocatedServiceIp = 11,
+    DropUnallocatedServiceIp = 10,
     /// Malformed or truncated header: passed untouched (the kernel's own
     /// validation drops it), never translated.
-    Malformed = 12,
+    Malformed = 11,
     /// Dropped: no free SNAT port for this backend.
-    DropSnatExhausted = 13,
+    DropSnatExhausted = 12,
     /// Dropped: conntrack insert failed.
-    DropCtFull = 14,
+    DropCtFull = 13,
     /// Dropped: frontend points at a missing backend (agent mid-update).
-    DropNoBackend = 15,
+    DropNoBackend = 14,
     /// Passed: protocol the datapath does not translate (e.g. SCTP port
     /// rewrite, which needs a CRC32c recompute).
-    UnsupportedProto = 16,
-    /// Frames `tc_egress`/`tc_pod_ingress` saw.
-    TcRx = 17,
+    UnsupportedProto = 15,
     /// A reject could not be built (buffer too small, options): dropped.
-    DropRejectFailed = 18,
+    DropRejectFailed = 16,
 }
 
 impl Event {
-    pub const ALL: [Event; 19] = [
-        Event::XdpRx,
+    pub const ALL: [Event; 17] = [
         Event::Pass,
         Event::NewFlow,
         Event::Established,
@@ -86,13 +113,11 @@ impl Event {
         Event::DropCtFull,
         Event::DropNoBackend,
         Event::UnsupportedProto,
-        Event::TcRx,
         Event::DropRejectFailed,
     ];
 
     pub const fn name(self) -> &'static str {
         match self {
-            Event::XdpRx => "xdp_rx",
             Event::Pass => "pass",
             Event::NewFlow => "new_flow",
             Event::Established => "established",
@@ -109,7 +134,6 @@ impl Event {
             Event::DropCtFull => "drop_ct_full",
             Event::DropNoBackend => "drop_no_backend",
             Event::UnsupportedProto => "unsupported_proto",
-            Event::TcRx => "tc_rx",
             Event::DropRejectFailed => "drop_reject_failed",
         }
     }
@@ -128,5 +152,6 @@ impl Event {
     }
 }
 
-/// Number of slots in [`crate::names::COUNTERS`]; room to append.
-pub const COUNTER_SLOTS: u32 = 64;
+/// Number of slots in [`crate::names::COUNTERS`]: one block per hook, with
+/// room to append events and hooks.
+pub const COUNTER_SLOTS: u32 = 4 * HOOK_STRIDE;

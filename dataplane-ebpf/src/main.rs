@@ -21,16 +21,15 @@ use aya_ebpf::{
     macros::{classifier, xdp},
     programs::{TcContext, XdpContext},
 };
-use dataplane_common::stats::Event;
+use dataplane_common::stats::Hook;
 use nat::Side;
 
 /// North-south translation on the node's external devices.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
     let len = (ctx.data_end() - ctx.data()) as u64;
-    stats::count(Event::XdpRx, len);
     let (action, event) = ingress::run(&ctx);
-    stats::count(event, len);
+    stats::count(Hook::XdpIngress, event, len);
     action
 }
 
@@ -49,22 +48,21 @@ pub fn xdp_floor(ctx: XdpContext) -> u32 {
 /// the frontend address restored on replies.
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
-    tc_run(ctx, Side::Src)
+    tc_run(ctx, Hook::TcEgress, Side::Src)
 }
 
 /// Packets from pods, before the host routes them: replies of SNATed flows
 /// sent back to the client.
 #[classifier]
 pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
-    tc_run(ctx, Side::Dst)
+    tc_run(ctx, Hook::TcPodIngress, Side::Dst)
 }
 
 #[inline(always)]
-fn tc_run(ctx: TcContext, side: Side) -> i32 {
+fn tc_run(ctx: TcContext, hook: Hook, side: Side) -> i32 {
     let len = ctx.len() as u64;
-    stats::count(Event::TcRx, len);
     let (action, event) = reply::run(&ctx, side);
-    stats::count(event, len);
+    stats::count(hook, event, len);
     action
 }
 

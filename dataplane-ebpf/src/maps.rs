@@ -33,7 +33,8 @@ pub static SOURCE_RANGES: LpmTrie<Lb4SourceRangeData, u8> =
     LpmTrie::with_max_entries(limits::SOURCE_RANGE_ENTRIES, 0);
 
 #[map(name = "CT4_V1")]
-pub static CT4: LruHashMap<Ct4Key, Ct4Entry> = LruHashMap::with_max_entries(limits::CT_ENTRIES, 0);
+pub static CT4: LruHashMap<Ct4Key, Ct4Entry> =
+    LruHashMap::with_max_entries(limits::CT_ENTRIES, aya_ebpf::bindings::BPF_F_NO_COMMON_LRU);
 
 #[map(name = "DP_COUNTERS_V1")]
 pub static COUNTERS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);

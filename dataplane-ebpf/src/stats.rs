@@ -1,6 +1,6 @@
 //! Per-CPU counters. No atomics needed: each CPU owns its slot.
 
-use dataplane_common::stats::{Counter, Event};
+use dataplane_common::stats::{Counter, Event, Hook, counter_index};
 
 use crate::maps::{COUNTERS, SERVICE_STATS};
 
@@ -15,9 +15,10 @@ fn bump(c: Option<*mut Counter>, bytes: u64) {
     }
 }
 
+/// Counts a packet's outcome: once per packet per hook.
 #[inline(always)]
-pub fn count(event: Event, bytes: u64) {
-    bump(COUNTERS.get_ptr_mut(event as u32), bytes);
+pub fn count(hook: Hook, event: Event, bytes: u64) {
+    bump(COUNTERS.get_ptr_mut(counter_index(hook, event)), bytes);
 }
 
 #[inline(always)]

@@ -412,7 +412,7 @@ fn established_flow_and_replies_follow_conntrack() {
         "SNAT to the node"
     );
     assert!(
-        (61000..=65535).contains(&snat_port),
+        (1024..=32767).contains(&snat_port),
         "SNAT port {snat_port} in the configured range"
     );
     let reply = Frame::tcp(sa(REMOTE_POD, 8080), sa(NODE, snat_port), TCP_SYN | TCP_ACK).build();

@@ -7,7 +7,7 @@ use std::net::SocketAddrV4;
 
 use aya::programs::{TestRun as _, TestRunOptions};
 use dataplane_agent::dataplane::Datapath;
-use dataplane_common::stats::Event;
+use dataplane_common::stats::{Event, Hook};
 use dataplane_tests::{
     cluster::{Cluster, EXTERNAL_DEVICE, NODE_IPS},
     echo::{EchoServer, UdpClient},
@@ -28,7 +28,7 @@ fn xdp_on_node_external_device_counts_and_passes_real_traffic() {
     node.ns()
         .run(|| datapath.attach_external(EXTERNAL_DEVICE))
         .expect("attach XDP to node1 eth0");
-    let before = datapath.maps().counter(Event::XdpRx).unwrap();
+    let before = datapath.maps().received(Hook::XdpIngress).unwrap();
 
     const N: u64 = 40;
     let payload = "x".repeat(100);
@@ -39,8 +39,11 @@ fn xdp_on_node_external_device_counts_and_passes_real_traffic() {
         assert_eq!(reply.server, "node1", "XDP passed the packet on to the stack");
     }
 
-    let rx = datapath.maps().counter(Event::XdpRx).unwrap();
-    let pass = datapath.maps().counter(Event::Pass).unwrap();
+    let rx = datapath.maps().received(Hook::XdpIngress).unwrap();
+    let pass = datapath
+        .maps()
+        .hook_counter(Hook::XdpIngress, Event::Pass)
+        .unwrap();
     let (packets, bytes) = (rx.packets - before.packets, rx.bytes - before.bytes);
     // Our N datagrams, plus possibly a few ARP probes the kernel sends on its own.
     assert!(
@@ -50,9 +53,9 @@ fn xdp_on_node_external_device_counts_and_passes_real_traffic() {
     let frame = 14 + 20 + 8 + payload.len() as u64;
     assert!(bytes >= N * frame, "{bytes} bytes < {N} x {frame}");
     // Not configured yet: XDP (ingress) and TC (egress) pass every frame.
-    let tc = datapath.maps().counter(Event::TcRx).unwrap();
+    assert_eq!(pass, rx, "every frame was passed");
+    let tc = datapath.maps().received(Hook::TcEgress).unwrap();
     assert!(tc.packets >= N, "TC egress saw the {N} replies");
-    assert_eq!(pass.packets, rx.packets + tc.packets, "every frame was passed");
 
     // Counting stops when the program is gone (detached on drop).
     drop(datapath);
@@ -100,7 +103,13 @@ fn prog_test_run_passes_the_frame_unchanged_and_counts_it() {
         "frame untouched"
     );
 
-    let rx = datapath.maps().counter(Event::XdpRx).unwrap();
+    let rx = datapath.maps().received(Hook::XdpIngress).unwrap();
     assert_eq!((rx.packets, rx.bytes), (1, input.len() as u64));
-    assert_eq!(datapath.maps().counter(Event::Pass).unwrap(), rx);
+    assert_eq!(
+        datapath
+            .maps()
+            .hook_counter(Hook::XdpIngress, Event::Pass)
+            .unwrap(),
+        rx
+    );
 }

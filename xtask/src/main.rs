@@ -1,6 +1,7 @@
 //! `cargo xtask`: the project's own automation. Every command first checks the
 //! toolchain (and installs what is missing), so a fresh machine needs nothing
 //! done by hand.
+mod bench;
 mod build_ebpf;
 mod cmd;
 mod demo;
@@ -36,6 +37,14 @@ enum Command {
         #[arg(last = true)]
         cargo_test_args: Vec<String>,
     },
+    /// Measure the datapath (ns/packet through BPF_PROG_TEST_RUN at 1 to 100k
+    /// services, against a floor program in the same run); writes
+    /// docs/benchmarks.md and docs/bench-results.json (needs root).
+    Bench {
+        /// Extra arguments for the benchmark binary (`--quick`: 1 and 1k only).
+        #[arg(last = true)]
+        args: Vec<String>,
+    },
     /// Build a sandbox cluster in network namespaces and show the dataplane at
     /// work (needs root).
     Demo {
@@ -61,6 +70,10 @@ fn main() -> anyhow::Result<()> {
         Command::Test { cargo_test_args } => {
             setup::run(setup::Mode::Install)?;
             test::run(&cargo_test_args)
+        }
+        Command::Bench { args } => {
+            setup::run(setup::Mode::Install)?;
+            bench::run(&args)
         }
         Command::Demo { args } => {
             setup::run(setup::Mode::Install)?;

@@ -16,7 +16,7 @@ use dataplane_common::{
         backend_flags, scope, service_flags,
     },
     limits, names,
-    stats::{Counter, Event},
+    stats::{Counter, Event, Hook, counter_index},
 };
 
 use super::DatapathError;
@@ -533,11 +533,30 @@ impl LbMaps {
         self.affinity.get(&key, 0).ok()
     }
 
-    /// Counters, summed over CPUs.
-    pub fn counter(&self, event: Event) -> Result<Counter, DatapathError> {
-        sum_per_cpu(&self.counters, event as u32, names::COUNTERS)
+    /// One hook's count of one event, summed over CPUs.
+    pub fn hook_counter(&self, hook: Hook, event: Event) -> Result<Counter, DatapathError> {
+        sum_per_cpu(&self.counters, counter_index(hook, event), names::COUNTERS)
     }
 
+    /// An event summed over hooks and CPUs.
+    pub fn counter(&self, event: Event) -> Result<Counter, DatapathError> {
+        let mut total = Counter::default();
+        for hook in Hook::ALL {
+            total.merge(&self.hook_counter(hook, event)?);
+        }
+        Ok(total)
+    }
+
+    /// Every packet a hook saw (each is counted under exactly one event).
+    pub fn received(&self, hook: Hook) -> Result<Counter, DatapathError> {
+        let mut total = Counter::default();
+        for event in Event::ALL {
+            total.merge(&self.hook_counter(hook, event)?);
+        }
+        Ok(total)
+    }
+
+    /// Every event, summed over hooks.
     pub fn counters(&self) -> Result<Vec<(Event, Counter)>, DatapathError> {
         Event::ALL.iter().map(|&e| Ok((e, self.counter(e)?))).collect()
     }

@@ -104,12 +104,11 @@ impl Datapath {
             .map_max_entries(names::CT4, opts.ct_entries)
             .map_max_entries(names::LB4_AFFINITY, opts.affinity_entries)
             .load(EBPF_OBJECT)?;
-        program::<Xdp>(&mut ebpf, names::XDP_INGRESS)?
-            .load()
-            .map_err(|source| DatapathError::Program {
-                name: names::XDP_INGRESS,
-                source,
-            })?;
+        for name in [names::XDP_INGRESS, names::XDP_FLOOR] {
+            program::<Xdp>(&mut ebpf, name)?
+                .load()
+                .map_err(|source| DatapathError::Program { name, source })?;
+        }
         for name in [names::TC_EGRESS, names::TC_POD_INGRESS] {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
@@ -170,6 +169,11 @@ impl Datapath {
     /// `BPF_PROG_TEST_RUN` (`aya::programs::TestRun`).
     pub fn xdp(&self) -> Result<&Xdp, DatapathError> {
         program_ref(&self.ebpf, names::XDP_INGRESS)
+    }
+
+    /// An XDP program by name ([`names::XDP_INGRESS`], [`names::XDP_FLOOR`]).
+    pub fn xdp_program(&self, name: &'static str) -> Result<&Xdp, DatapathError> {
+        program_ref(&self.ebpf, name)
     }
 
     /// A TC program by name ([`names::TC_EGRESS`], [`names::TC_POD_INGRESS`]).

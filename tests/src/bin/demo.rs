@@ -5,7 +5,7 @@
 use std::net::SocketAddrV4;
 
 use dataplane_agent::dataplane::Datapath;
-use dataplane_common::stats::Event;
+use dataplane_common::stats::{Event, Hook};
 use dataplane_tests::{
     cleanup_on_signal,
     cluster::{Cluster, EXTERNAL_DEVICE},
@@ -80,16 +80,19 @@ fn main() {
         "node", "counter", "packets", "bytes"
     );
     for (node, dp) in cluster.nodes.iter().zip(&datapaths) {
-        for index in [Event::XdpRx, Event::Pass] {
-            let c = dp.maps().counter(index).expect("read counters");
-            println!(
-                "{:<8} {:>10} {:>10} {:>10}",
-                node.name,
-                index.name(),
-                c.packets,
-                c.bytes
-            );
-        }
+        let c = dp.maps().received(Hook::XdpIngress).expect("read counters");
+        println!(
+            "{:<8} {:>10} {:>10} {:>10}",
+            node.name, "xdp rx", c.packets, c.bytes
+        );
+        let c = dp
+            .maps()
+            .hook_counter(Hook::XdpIngress, Event::Pass)
+            .expect("read counters");
+        println!(
+            "{:<8} {:>10} {:>10} {:>10}",
+            node.name, "xdp pass", c.packets, c.bytes
+        );
     }
     datapaths.clear();
     println!("\ndone: sandbox removed");
