@@ -2,9 +2,12 @@
 //!
 //! - [`dataplane`]: loads the embedded kernel object, attaches its programs,
 //!   and programs its maps through a typed API ([`dataplane::LbMaps`]).
+//! - [`k8s`]: Services, EndpointSlices and the Node → Service port models,
+//!   with kube-proxy's rules; the object store and the manifests source.
 //! - [`net`]: small address types (CIDRs, protocols).
 //! - [`state`]: the service table with kube-proxy's semantics, pure: desired
 //!   state and the diff into ordered map operations.
 pub mod dataplane;
+pub mod k8s;
 pub mod net;
 pub mod state;

@@ -133,6 +133,7 @@ impl TestService {
                 serving: e.serving,
                 terminating: e.terminating,
                 local: e.node == node,
+                in_topology: true,
             })
             .collect();
         port

@@ -54,7 +54,8 @@ pub fn compute<'a>(
 }
 
 /// kube-proxy's endpoint sets, each falling back independently to serving
-/// terminating endpoints when it has no ready one.
+/// terminating endpoints when it has no ready one. The cluster set honours
+/// topology (endpoints marked `in_topology`); the local set is local anyway.
 pub struct EndpointSets<'a> {
     pub cluster: Vec<&'a Endpoint>,
     pub local: Vec<&'a Endpoint>,
@@ -62,7 +63,9 @@ pub struct EndpointSets<'a> {
 
 pub fn endpoint_sets(endpoints: &[Endpoint]) -> EndpointSets<'_> {
     let pick = |only_local: bool| -> Vec<&Endpoint> {
-        let candidates = endpoints.iter().filter(|e| !only_local || e.local);
+        let candidates = endpoints
+            .iter()
+            .filter(|e| if only_local { e.local } else { e.in_topology });
         let ready: Vec<&Endpoint> = candidates.clone().filter(|e| e.ready).collect();
         if !ready.is_empty() {
             return ready;
@@ -290,6 +293,7 @@ mod tests {
             serving,
             terminating,
             local,
+            in_topology: true,
         }
     }
     fn ready(last: u8, local: bool) -> Endpoint {

@@ -52,6 +52,9 @@ pub struct Endpoint {
     pub terminating: bool,
     /// Runs on this node.
     pub local: bool,
+    /// Kept by topology-aware routing (true when it does not apply). Only
+    /// these form the cluster set; the local set ignores topology.
+    pub in_topology: bool,
 }
 
 /// What the node contributes.
