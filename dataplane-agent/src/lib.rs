@@ -1,5 +1,7 @@
 //! The node agent of the dataplane.
 //!
+//! - [`agent`]: the `run` daemon: sources, sync loop, health and metrics.
+//! - [`cli`]: the command line (the binary is `cli::main`).
 //! - [`dataplane`]: loads the embedded kernel object, attaches its programs,
 //!   and programs its maps through a typed API ([`dataplane::LbMaps`]).
 //! - [`k8s`]: Services, EndpointSlices and the Node → Service port models,
@@ -7,6 +9,8 @@
 //! - [`net`]: small address types (CIDRs, protocols).
 //! - [`state`]: the service table with kube-proxy's semantics, pure: desired
 //!   state and the diff into ordered map operations.
+pub mod agent;
+pub mod cli;
 pub mod dataplane;
 pub mod k8s;
 pub mod net;

@@ -148,3 +148,18 @@ crate::impl_pod!(
     Lb4AffinityValue,
     Lb4SourceRangeData
 );
+
+/// Who a service id belongs to, for `inspect` and for a restarted agent to
+/// keep ids stable. Written by the agent only; NUL-padded UTF-8.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lb4ServiceName {
+    pub namespace: [u8; 64],
+    pub name: [u8; 64],
+    /// Service port names are at most 15 characters (IANA service names).
+    pub port_name: [u8; 16],
+    pub proto: u8,
+    pub _pad: [u8; 3],
+}
+crate::assert_layout!(Lb4ServiceName, 148, 1);
+crate::impl_pod!(Lb4ServiceName);

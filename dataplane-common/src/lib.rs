@@ -28,8 +28,11 @@ pub mod names {
     /// Per-CPU array of [`crate::stats::Counter`] indexed by service id.
     pub const SERVICE_STATS: &str = "LB4_SERVICE_STATS_V1";
 
+    /// Service id → namespace/name/port (agent-written, kernel-unused).
+    pub const LB4_SERVICE_NAMES: &str = "LB4_SERVICE_NAMES_V1";
+
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 8] = [
+    pub const ALL_MAPS: [&str; 9] = [
         CONFIG,
         LB4_BACKENDS,
         LB4_SERVICES,
@@ -38,6 +41,7 @@ pub mod names {
         CT4,
         COUNTERS,
         SERVICE_STATS,
+        LB4_SERVICE_NAMES,
     ];
 
     /// XDP on the node's external devices: north-south translation.

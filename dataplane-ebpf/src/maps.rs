@@ -8,7 +8,10 @@ use aya_ebpf::{
 use dataplane_common::{
     config::DpConfig,
     ct::{Ct4Entry, Ct4Key},
-    lb4::{Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData},
+    lb4::{
+        Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName,
+        Lb4SourceRangeData,
+    },
     limits,
     stats::{COUNTER_SLOTS, Counter},
 };
@@ -42,3 +45,9 @@ pub static COUNTERS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(COUNTE
 /// Indexed by service id.
 #[map(name = "LB4_SERVICE_STATS_V1")]
 pub static SERVICE_STATS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(limits::MAX_SERVICES, 0);
+
+/// Service id → its Kubernetes name. Only the agent (and `inspect`) use it;
+/// it lives in the object so that it is created and pinned with the rest.
+#[map(name = "LB4_SERVICE_NAMES_V1")]
+pub static SERVICE_NAMES: HashMap<u32, Lb4ServiceName> =
+    HashMap::with_max_entries(limits::MAX_SERVICES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);

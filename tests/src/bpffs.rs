@@ -1,14 +1,19 @@
 //! A private directory in bpffs for one sandbox's pins, removed on drop.
+//!
+//! The sandbox's bpffs is mounted at [`BPFFS_ROOT`], not under /sys:
+//! `ip netns exec` (how agents run on the sandbox's nodes) remounts /sys in
+//! its own mount namespace, which would hide /sys/fs/bpf from the agent.
 
 use std::path::{Path, PathBuf};
 
-pub const BPFFS_ROOT: &str = "/sys/fs/bpf";
+pub const BPFFS_ROOT: &str = "/run/dataplane-tests/bpffs";
 
 /// Mounts bpffs at [`BPFFS_ROOT`] when it is not mounted yet.
 pub fn ensure_bpffs() {
     if bpffs_mounted() {
         return;
     }
+    std::fs::create_dir_all(BPFFS_ROOT).expect("create the sandbox bpffs mount point");
     let out = std::process::Command::new("mount")
         .args(["-t", "bpf", "bpf", BPFFS_ROOT])
         .output()

@@ -7,6 +7,7 @@
 //! Every name a sandbox creates starts with `dpt-<pid>-<seq>`, so tests can run
 //! in parallel and a sweep can tell a dead owner from a live one.
 
+pub mod agent;
 pub mod bpffs;
 pub mod cluster;
 pub mod echo;

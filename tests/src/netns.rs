@@ -73,6 +73,14 @@ impl NetNs {
         ns
     }
 
+    /// A handle on an existing namespace that does not delete it on drop
+    /// (for threads that outlive a borrow of the owner).
+    pub fn adopt(name: &str) -> NetNsRef {
+        NetNsRef(NetNs {
+            name: name.to_owned(),
+        })
+    }
+
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -151,6 +159,9 @@ fn enter(file: &File, name: &str) {
 
 impl Drop for NetNs {
     fn drop(&mut self) {
+        if self.name.is_empty() {
+            return;
+        }
         // Deleting the namespace destroys its devices (and their peers, and
         // any XDP/TC attachment on them) once nothing else holds it.
         let out = Command::new("ip").args(["netns", "del", &self.name]).output();
@@ -163,5 +174,23 @@ impl Drop for NetNs {
                 String::from_utf8_lossy(&out.stderr).trim()
             );
         }
+    }
+}
+
+/// A non-owning [`NetNs`]: dereferences to it, never deletes it.
+#[derive(Debug)]
+pub struct NetNsRef(NetNs);
+
+impl std::ops::Deref for NetNsRef {
+    type Target = NetNs;
+    fn deref(&self) -> &NetNs {
+        &self.0
+    }
+}
+
+impl Drop for NetNsRef {
+    fn drop(&mut self) {
+        // Forget the name so NetNs::drop deletes nothing.
+        self.0.name.clear();
     }
 }

@@ -12,8 +12,8 @@ use dataplane_common::{
     config::{Cidr4, DpConfig, MAX_SERVICE_CIDRS, config_flags},
     ct::{Ct4Entry, Ct4Key},
     lb4::{
-        Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData,
-        backend_flags, scope, service_flags,
+        Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName,
+        Lb4SourceRangeData, backend_flags, scope, service_flags,
     },
     limits, names,
     stats::{Counter, Event, Hook, counter_index},
@@ -253,8 +253,12 @@ pub struct LbMaps {
     pub(super) ct: Map<Ct4Key, Ct4Entry>,
     pub(super) counters: PerCpuArray<MapData, Counter>,
     pub(super) service_stats: PerCpuArray<MapData, Counter>,
+    pub(super) service_names: Map<u32, Lb4ServiceName>,
     pub(super) max_services: u32,
     pub(super) max_backends: u32,
+    pub(super) ct_capacity: u32,
+    pub(super) service_entries_capacity: u32,
+    pub(super) affinity_capacity: u32,
 }
 
 fn be32(ip: Ipv4Addr) -> u32 {
@@ -564,6 +568,174 @@ impl LbMaps {
     /// Packets and bytes translated for a service port, summed over CPUs.
     pub fn service_stats(&self, service_id: u32) -> Result<Counter, DatapathError> {
         sum_per_cpu(&self.service_stats, service_id, names::SERVICE_STATS)
+    }
+}
+
+/// (namespace, name, port name, protocol) of a Service port.
+pub type ServicePortName = (String, String, String, Protocol);
+
+/// Everything the maps hold about services, as typed values: what a
+/// restarted agent adopts.
+#[derive(Clone, Debug, Default)]
+pub struct MapTable {
+    pub backends: Vec<(BackendId, Backend)>,
+    pub frontends: Vec<(Frontend, FrontendEntry)>,
+    pub service_addresses: Vec<Ipv4Addr>,
+    pub source_ranges: Vec<(u32, Ipv4Cidr)>,
+    /// service id → (namespace, name, port name, protocol).
+    pub service_names: Vec<(u32, ServicePortName)>,
+}
+
+impl LbMaps {
+    /// Reads the whole service table back from the maps.
+    pub fn read_table(&self) -> Result<MapTable, DatapathError> {
+        let mut table = MapTable {
+            backends: self.backends()?,
+            ..Default::default()
+        };
+        let entries: Vec<(Lb4ServiceKey, Lb4Service)> = self
+            .services
+            .iter()
+            .collect::<Result<_, _>>()
+            .map_err(err(names::LB4_SERVICES))?;
+        let slots: std::collections::HashMap<Lb4ServiceKey, Lb4Service> = entries.iter().copied().collect();
+        let set = |key: &Lb4ServiceKey, head: &Lb4Service| BackendSet {
+            backends: (1..=head.count)
+                .filter_map(|slot| slots.get(&Lb4ServiceKey { slot, ..*key }))
+                .filter_map(|s| BackendId::new(s.backend_id))
+                .collect(),
+            when_empty: if head.flags & service_flags::REJECT_EMPTY != 0 {
+                EmptyVerdict::Reject
+            } else {
+                EmptyVerdict::Drop
+            },
+        };
+        for (key, head) in &entries {
+            if key.slot != 0 || key.scope != scope::EXTERNAL {
+                continue;
+            }
+            let addr = Ipv4Addr::from(u32::from_be(key.address));
+            if head.flags & service_flags::WILDCARD != 0 {
+                table.service_addresses.push(addr);
+                continue;
+            }
+            let Some(proto) = Protocol::from_number(key.proto) else {
+                continue;
+            };
+            let kind = match head.flags & service_flags::KIND_MASK {
+                service_flags::NODE_PORT => FrontendKind::NodePort,
+                service_flags::EXTERNAL_IP => FrontendKind::ExternalIp,
+                service_flags::LOAD_BALANCER => FrontendKind::LoadBalancer,
+                _ => FrontendKind::ClusterIp,
+            };
+            let internal_key = Lb4ServiceKey {
+                scope: scope::INTERNAL,
+                ..*key
+            };
+            let internal_backends = (head.flags & service_flags::TWO_SCOPES != 0)
+                .then(|| slots.get(&internal_key).map(|h| set(&internal_key, h)))
+                .flatten();
+            let flag = |f: u16| head.flags & f != 0;
+            table.frontends.push((
+                Frontend {
+                    addr,
+                    port: u16::from_be(key.port),
+                    proto,
+                },
+                FrontendEntry {
+                    service_id: head.service_id,
+                    kind,
+                    backends: set(key, head),
+                    internal_backends,
+                    masquerade: flag(service_flags::MASQUERADE),
+                    affinity_timeout: flag(service_flags::AFFINITY)
+                        .then(|| Duration::from_secs(head.affinity_timeout_s as u64)),
+                    source_ranges: flag(service_flags::SOURCE_RANGES),
+                    external_local: flag(service_flags::EXTERNAL_LOCAL),
+                    internal_local: flag(service_flags::INTERNAL_LOCAL),
+                },
+            ));
+        }
+        for key in self.source_ranges.keys() {
+            let key = key.map_err(err(names::LB4_SOURCE_RANGES))?;
+            let data = key.data();
+            let prefix = key.prefix_len().saturating_sub(32).min(32) as u8;
+            if let Some(c) = Ipv4Cidr::new(Ipv4Addr::from(u32::from_be(data.address)), prefix) {
+                table.source_ranges.push((u32::from_be(data.service_id_be), c));
+            }
+        }
+        table.service_names = self.service_names()?;
+        Ok(table)
+    }
+
+    /// (entries, capacity) of the maps worth watching. Counting iterates the
+    /// maps: call it at a housekeeping pace, not per request.
+    pub fn occupancy(&self) -> std::collections::BTreeMap<&'static str, (u64, u64)> {
+        let mut out = std::collections::BTreeMap::new();
+        out.insert(
+            names::CT4,
+            (self.ct.keys().count() as u64, self.ct_capacity as u64),
+        );
+        out.insert(
+            names::LB4_SERVICES,
+            (
+                self.services.keys().count() as u64,
+                self.service_entries_capacity as u64,
+            ),
+        );
+        let backends = self.backends().map_or(0, |b| b.len()) as u64;
+        out.insert(
+            names::LB4_BACKENDS,
+            (backends, self.max_backends.saturating_sub(1) as u64),
+        );
+        out.insert(
+            names::LB4_AFFINITY,
+            (self.affinity.keys().count() as u64, self.affinity_capacity as u64),
+        );
+        out
+    }
+
+    /// Records who a service id belongs to.
+    pub fn set_service_name(
+        &mut self,
+        id: u32,
+        (namespace, name, port_name, proto): (&str, &str, &str, Protocol),
+    ) -> Result<(), DatapathError> {
+        let mut v = Lb4ServiceName {
+            namespace: [0; 64],
+            name: [0; 64],
+            port_name: [0; 16],
+            proto: proto.number(),
+            _pad: [0; 3],
+        };
+        fn fill(dst: &mut [u8], src: &str) {
+            let n = src.len().min(dst.len());
+            dst[..n].copy_from_slice(&src.as_bytes()[..n]);
+        }
+        fill(&mut v.namespace, namespace);
+        fill(&mut v.name, name);
+        fill(&mut v.port_name, port_name);
+        self.service_names
+            .insert(id, v, 0)
+            .map_err(err(names::LB4_SERVICE_NAMES))
+    }
+
+    pub fn remove_service_name(&mut self, id: u32) -> Result<(), DatapathError> {
+        removed(self.service_names.remove(&id), names::LB4_SERVICE_NAMES)
+    }
+
+    /// service id → (namespace, name, port name, protocol).
+    pub fn service_names(&self) -> Result<Vec<(u32, ServicePortName)>, DatapathError> {
+        let text =
+            |b: &[u8]| String::from_utf8_lossy(b.split(|c| *c == 0).next().unwrap_or_default()).into_owned();
+        self.service_names
+            .iter()
+            .map(|r| {
+                let (id, v) = r.map_err(err(names::LB4_SERVICE_NAMES))?;
+                let proto = Protocol::from_number(v.proto).unwrap_or(Protocol::Tcp);
+                Ok((id, (text(&v.namespace), text(&v.name), text(&v.port_name), proto)))
+            })
+            .collect()
     }
 }
 

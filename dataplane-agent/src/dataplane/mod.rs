@@ -7,17 +7,26 @@
 //! Kubernetes control plane and the tests both go through it.
 
 mod maps;
+pub mod pins;
+
+use std::path::Path;
 
 use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, MapError, PerCpuArray},
-    programs::{ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode},
+    programs::{
+        ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        links::{FdLink, PinnedLink},
+        tc::SchedClassifierLink,
+        xdp::XdpLink,
+    },
 };
 use dataplane_common::{limits, names};
 pub use maps::{
     Backend, BackendId, BackendSet, DatapathConfig, EmptyVerdict, Frontend, FrontendEntry, FrontendKind,
-    LbMaps,
+    LbMaps, MapTable, ServicePortName,
 };
+pub use pins::PinDir;
 
 /// The kernel object built by build.rs (`dataplane-ebpf`, release, with BTF).
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dataplane"));
@@ -88,16 +97,49 @@ impl Default for LoadOptions {
 pub struct Datapath {
     ebpf: Ebpf,
     maps: LbMaps,
+    pins: Option<PinDir>,
+}
+
+/// What happened to one attachment.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attached {
+    /// A new link.
+    New,
+    /// A pinned link now runs this program (atomic replacement).
+    Replaced,
 }
 
 impl Datapath {
-    /// Loads the embedded object with default map sizes (nothing attached).
+    /// Loads the embedded object with default map sizes (nothing attached,
+    /// nothing pinned).
     pub fn load() -> Result<Self, DatapathError> {
         Self::load_with(&LoadOptions::default())
     }
 
+    /// Loads with private maps (nothing pinned): tests, `trace`.
     pub fn load_with(opts: &LoadOptions) -> Result<Self, DatapathError> {
-        let mut ebpf = EbpfLoader::new()
+        Self::load_inner(opts, None)
+    }
+
+    /// Loads with every map pinned under `dir` (bpffs): maps already pinned
+    /// there are reused with their contents, so a restarted agent adopts the
+    /// running datapath; links are pinned too when attached.
+    pub fn open_pinned(opts: &LoadOptions, dir: &Path) -> Result<Self, DatapathError> {
+        let pins = PinDir::create(dir)?;
+        pins.check_layouts()?;
+        Self::load_inner(opts, Some(pins))
+    }
+
+    fn load_inner(opts: &LoadOptions, pins: Option<PinDir>) -> Result<Self, DatapathError> {
+        let map_paths: Vec<(&'static str, std::path::PathBuf)> = match &pins {
+            Some(p) => names::ALL_MAPS.iter().map(|n| (*n, p.map(n))).collect(),
+            None => Vec::new(),
+        };
+        let mut loader = EbpfLoader::new();
+        for (name, path) in &map_paths {
+            loader.map_pin_path(name, path.as_path());
+        }
+        let mut ebpf = loader
             .map_max_entries(names::SERVICE_STATS, opts.max_services)
             .map_max_entries(names::LB4_BACKENDS, opts.max_backends)
             .map_max_entries(names::LB4_SERVICES, opts.max_service_entries)
@@ -123,46 +165,99 @@ impl Datapath {
             ct: take(&mut ebpf, names::CT4, HashMap::try_from)?,
             counters: take(&mut ebpf, names::COUNTERS, PerCpuArray::try_from)?,
             service_stats: take(&mut ebpf, names::SERVICE_STATS, PerCpuArray::try_from)?,
+            service_names: take(&mut ebpf, names::LB4_SERVICE_NAMES, HashMap::try_from)?,
             max_services: opts.max_services,
             max_backends: opts.max_backends,
+            ct_capacity: opts.ct_entries,
+            service_entries_capacity: opts.max_service_entries,
+            affinity_capacity: opts.affinity_entries,
         };
-        Ok(Self { ebpf, maps })
+        Ok(Self { ebpf, maps, pins })
+    }
+
+    pub fn pins(&self) -> Option<&PinDir> {
+        self.pins.as_ref()
     }
 
     /// Attaches the north-south programs to an external device of the
     /// calling thread's network namespace: XDP (native mode where the
-    /// driver has it) and TC egress. Detached when the `Datapath` drops.
-    pub fn attach_external(&mut self, device: &str) -> Result<(), DatapathError> {
-        let attach_err = |name, source| DatapathError::Attach {
-            name,
-            device: device.to_owned(),
-            source,
-        };
-        program::<Xdp>(&mut self.ebpf, names::XDP_INGRESS)?
-            .attach(device, XdpMode::default())
-            .map_err(|e| attach_err(names::XDP_INGRESS, e))?;
-        program::<SchedClassifier>(&mut self.ebpf, names::TC_EGRESS)?
-            .attach(device, TcAttachType::Egress)
-            .map_err(|e| attach_err(names::TC_EGRESS, e))?;
-        Ok(())
+    /// driver has it) and TC egress. Unpinned, they detach when the
+    /// `Datapath` drops; pinned, they stay until the pins are removed.
+    pub fn attach_external(&mut self, device: &str) -> Result<Attached, DatapathError> {
+        let a = self.attach_xdp(names::XDP_INGRESS, device)?;
+        self.attach_tc(names::TC_EGRESS, TcAttachType::Egress, device)?;
+        Ok(a)
     }
 
     /// Attaches to a pod-facing host interface: TC ingress (replies from
     /// local backends) and TC egress (SNAT towards local backends).
-    pub fn attach_pod_interface(&mut self, device: &str) -> Result<(), DatapathError> {
-        for (name, direction) in [
-            (names::TC_POD_INGRESS, TcAttachType::Ingress),
-            (names::TC_EGRESS, TcAttachType::Egress),
-        ] {
-            program::<SchedClassifier>(&mut self.ebpf, name)?
-                .attach(device, direction)
-                .map_err(|source| DatapathError::Attach {
-                    name,
-                    device: device.to_owned(),
-                    source,
-                })?;
+    pub fn attach_pod_interface(&mut self, device: &str) -> Result<Attached, DatapathError> {
+        let a = self.attach_tc(names::TC_POD_INGRESS, TcAttachType::Ingress, device)?;
+        self.attach_tc(names::TC_EGRESS, TcAttachType::Egress, device)?;
+        Ok(a)
+    }
+
+    fn attach_xdp(&mut self, name: &'static str, device: &str) -> Result<Attached, DatapathError> {
+        let attach_err = |source| DatapathError::Attach {
+            name,
+            device: device.to_owned(),
+            source,
+        };
+        let prog = program::<Xdp>(&mut self.ebpf, name)?;
+        let Some(pins) = &self.pins else {
+            prog.attach(device, XdpMode::default()).map_err(attach_err)?;
+            return Ok(Attached::New);
+        };
+        let path = pins.link(name, device);
+        if let Some(link) = pinned_link::<XdpLink>(&path) {
+            if let Ok(id) = prog.attach_to_link(link) {
+                // The pin keeps the link; the program's handle can go.
+                drop(prog.take_link(id));
+                return Ok(Attached::Replaced);
+            }
+            let _ = std::fs::remove_file(&path);
         }
-        Ok(())
+        let id = prog.attach(device, XdpMode::default()).map_err(attach_err)?;
+        let link: FdLink =
+            prog.take_link(id).map_err(attach_err)?.try_into().map_err(|e| {
+                DatapathError::Invalid(format!("XDP link on {device} is not a bpf_link: {e}"))
+            })?;
+        pin_link(link, &path)?;
+        Ok(Attached::New)
+    }
+
+    fn attach_tc(
+        &mut self,
+        name: &'static str,
+        kind: TcAttachType,
+        device: &str,
+    ) -> Result<Attached, DatapathError> {
+        let attach_err = |source| DatapathError::Attach {
+            name,
+            device: device.to_owned(),
+            source,
+        };
+        let prog = program::<SchedClassifier>(&mut self.ebpf, name)?;
+        let Some(pins) = &self.pins else {
+            prog.attach(device, kind).map_err(attach_err)?;
+            return Ok(Attached::New);
+        };
+        let path = pins.link(name, device);
+        if let Some(link) = pinned_link::<SchedClassifierLink>(&path) {
+            if let Ok(id) = prog.attach_to_link(link) {
+                drop(prog.take_link(id));
+                return Ok(Attached::Replaced);
+            }
+            let _ = std::fs::remove_file(&path);
+        }
+        let id = prog.attach(device, kind).map_err(attach_err)?;
+        let link: FdLink = prog.take_link(id).map_err(attach_err)?.try_into().map_err(|e| {
+            DatapathError::Invalid(format!(
+                "TC link on {device} is not a bpf_link (TCX needs Linux 6.6): {e}"
+            ))
+        })?;
+        pin_link(link, &path)?;
+        Ok(Attached::New)
     }
 
     /// The XDP entry point, e.g. to run packets through it with
@@ -208,6 +303,18 @@ where
         .ok_or(DatapathError::MissingProgram(name))?
         .try_into()
         .map_err(|source| DatapathError::Program { name, source })
+}
+
+/// The link pinned at `path`, if there is one of the right type.
+fn pinned_link<L: TryFrom<FdLink>>(path: &Path) -> Option<L> {
+    let pinned = PinnedLink::from_pin(path).ok()?;
+    L::try_from(FdLink::from(pinned)).ok()
+}
+
+fn pin_link(link: FdLink, path: &Path) -> Result<(), DatapathError> {
+    link.pin(path)
+        .map(drop)
+        .map_err(|e| DatapathError::Invalid(format!("cannot pin link at {}: {e}", path.display())))
 }
 
 fn take<T>(

@@ -11,7 +11,7 @@ use k8s_openapi::api::{
 };
 
 use super::model::{LABEL_SERVICE_NAME, NodeInfo, Skipped, proxied, service_ports};
-use crate::{net::Protocol, state::model::ServicePort};
+use crate::state::model::ServicePort;
 
 /// `namespace/name`.
 pub type ObjectKey = (String, String);
@@ -136,8 +136,68 @@ impl Store {
     }
 }
 
+/// One healthCheckNodePort server to run (eTP=Local LoadBalancer Services).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HealthCheck {
+    pub namespace: String,
+    pub name: String,
+    pub port: u16,
+    /// Distinct local ready endpoint IPs across the Service's ports
+    /// (terminating ones do not count), as kube-proxy reports.
+    pub local_endpoints: usize,
+}
+
+impl Store {
+    /// The health checks this node serves, computed from the same ports the
+    /// table is (pass the result of [`Store::service_ports`]).
+    pub fn health_checks(&self, ports: &[ServicePort]) -> Vec<HealthCheck> {
+        let mut out = Vec::new();
+        for ((ns, name), svc) in &self.services {
+            let Some(spec) = &svc.spec else { continue };
+            let Some(port) = spec
+                .health_check_node_port
+                .and_then(|p| u16::try_from(p).ok())
+                .filter(|p| *p != 0)
+            else {
+                continue;
+            };
+            if spec.external_traffic_policy.as_deref() != Some("Local") {
+                continue;
+            }
+            let local: BTreeSet<std::net::Ipv4Addr> = ports
+                .iter()
+                .filter(|p| &p.namespace == ns && &p.name == name)
+                .flat_map(|p| &p.endpoints)
+                .filter(|e| e.local && e.ready)
+                .map(|e| e.addr)
+                .collect();
+            out.push(HealthCheck {
+                namespace: ns.clone(),
+                name: name.clone(),
+                port,
+                local_endpoints: local.len(),
+            });
+        }
+        out
+    }
+
+    /// `endpoints.kubernetes.io/last-change-trigger-time` of every slice,
+    /// for the network programming latency metric.
+    pub fn trigger_times(&self) -> Vec<String> {
+        self.slices
+            .values()
+            .filter_map(|s| {
+                s.metadata
+                    .annotations
+                    .as_ref()
+                    .and_then(|a| a.get("endpoints.kubernetes.io/last-change-trigger-time").cloned())
+            })
+            .collect()
+    }
+}
+
 /// Identity of a Service port across syncs.
-pub type PortKey = (String, String, String, Protocol);
+pub type PortKey = crate::dataplane::ServicePortName;
 
 /// Service ids that stay the same while a Service port exists (stats,
 /// affinity and source ranges are keyed by them) and are reused after.

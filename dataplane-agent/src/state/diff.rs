@@ -84,6 +84,17 @@ impl IdAllocator {
     pub fn release(&mut self, id: BackendId) {
         self.free.insert(id.get());
     }
+
+    /// Rebuilds the allocator around ids found in use (after a restart).
+    pub fn adopt(capacity: u32, in_use: impl IntoIterator<Item = BackendId>) -> Self {
+        let used: BTreeSet<u32> = in_use.into_iter().map(BackendId::get).collect();
+        let next = used.last().map_or(1, |m| m + 1);
+        Self {
+            free: (1..next).filter(|i| !used.contains(i)).collect(),
+            next,
+            capacity,
+        }
+    }
 }
 
 /// What the maps hold (as far as this process wrote them) and how to move
@@ -119,6 +130,25 @@ impl Programmer {
             frontends: BTreeMap::new(),
             service_addresses: BTreeSet::new(),
             source_ranges: BTreeSet::new(),
+        }
+    }
+
+    /// Takes what the maps already hold as the current table (a restarted
+    /// agent): the first plan then only changes what really differs, and
+    /// removes nothing that is still desired.
+    pub fn adopt(backend_capacity: u32, table: &crate::dataplane::MapTable) -> Self {
+        let key = |b: &Backend| BackendKey {
+            addr: b.addr,
+            port: b.port,
+            proto: b.proto,
+        };
+        Self {
+            ids: IdAllocator::adopt(backend_capacity, table.backends.iter().map(|(id, _)| *id)),
+            backend_ids: table.backends.iter().map(|(id, b)| (key(b), *id)).collect(),
+            backends: table.backends.iter().map(|(_, b)| (key(b), *b)).collect(),
+            frontends: table.frontends.iter().cloned().collect(),
+            service_addresses: table.service_addresses.iter().copied().collect(),
+            source_ranges: table.source_ranges.iter().copied().collect(),
         }
     }
 
@@ -244,6 +274,29 @@ impl Programmer {
             external_local: entry.external_local,
             internal_local: entry.internal_local,
         })
+    }
+
+    /// Forgets that an operation was done (it failed), so the next plan
+    /// tries it again. Frontends and backends are the ops that can fail on
+    /// bad input or full maps.
+    pub fn forget(&mut self, op: &Op) {
+        match op {
+            Op::SetFrontend(fe, _) => {
+                self.frontends.remove(fe);
+            }
+            Op::SetBackend(id, _) => {
+                if let Some(key) = self.backend_ids.iter().find(|(_, v)| *v == id).map(|(k, _)| *k) {
+                    self.backends.remove(&key);
+                }
+            }
+            Op::SetServiceAddress(a) => {
+                self.service_addresses.remove(a);
+            }
+            Op::AddSourceRange(id, r) => {
+                self.source_ranges.remove(&(*id, *r));
+            }
+            _ => {}
+        }
     }
 
     /// Plans and applies; stops at the first failing operation.

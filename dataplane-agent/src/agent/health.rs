@@ -1,0 +1,216 @@
+//! kube-proxy's health endpoints: `/healthz` and `/livez` on the proxy's
+//! health port (10256), and one server per eTP=Local LoadBalancer Service on
+//! its healthCheckNodePort.
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+use super::http::{Handler, Response, Server};
+use crate::k8s::store::HealthCheck;
+
+/// What the health answers are computed from.
+#[derive(Debug, Default)]
+pub struct HealthState {
+    pub last_sync: Option<SystemTime>,
+    pub node_eligible: bool,
+    /// (namespace, name) → local ready endpoints.
+    pub local_endpoints: BTreeMap<(String, String), usize>,
+}
+
+pub type SharedHealth = Arc<Mutex<HealthState>>;
+
+/// RFC 3339 UTC with nanoseconds, as Go formats `time.Time` in kube-proxy.
+pub fn rfc3339(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil from days (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_nanos()
+    )
+}
+
+/// Healthy: synced within `2 × sync_period` (and, for `/healthz`, the node
+/// is eligible: not being deleted, not tainted for scale-down).
+pub fn proxy_health(state: &HealthState, sync_period: Duration, check_node: bool) -> (bool, String) {
+    let now = SystemTime::now();
+    let fresh = state
+        .last_sync
+        .is_some_and(|t| now.duration_since(t).unwrap_or_default() <= 2 * sync_period);
+    let healthy = fresh && (!check_node || state.node_eligible);
+    let last = state.last_sync.map(rfc3339).unwrap_or_default();
+    let body = if check_node {
+        format!(
+            "{{\"lastUpdated\":\"{last}\",\"currentTime\":\"{}\",\"nodeEligible\":{}}}",
+            rfc3339(now),
+            state.node_eligible
+        )
+    } else {
+        format!(
+            "{{\"lastUpdated\":\"{last}\",\"currentTime\":\"{}\"}}",
+            rfc3339(now)
+        )
+    };
+    (healthy, body)
+}
+
+/// The proxy health server: `/healthz`, `/livez`.
+pub fn proxy_server(addr: &str, state: SharedHealth, sync_period: Duration) -> std::io::Result<Server> {
+    let handler: Handler = Arc::new(move |path: &str| {
+        let state = state.lock().expect("health state");
+        match path.split('?').next().unwrap_or("") {
+            "/healthz" | "/livez" => {
+                let (ok, body) = proxy_health(&state, sync_period, path.starts_with("/healthz"));
+                Response::json(if ok { 200 } else { 503 }, body)
+            }
+            _ => Response::json(404, "{}".into()),
+        }
+    });
+    Server::bind(addr, handler)
+}
+
+/// The answer of a healthCheckNodePort server (any path).
+pub fn service_health(state: &HealthState, sync_period: Duration, ns: &str, name: &str) -> Response {
+    let n = state
+        .local_endpoints
+        .get(&(ns.to_owned(), name.to_owned()))
+        .copied()
+        .unwrap_or(0);
+    let (healthy, _) = proxy_health(state, sync_period, true);
+    let body = format!(
+        "{{\"service\":{{\"namespace\":\"{ns}\",\"name\":\"{name}\"}},\"localEndpoints\":{n},\"serviceProxyHealthy\":{healthy}}}"
+    );
+    Response::json(if n > 0 && healthy { 200 } else { 503 }, body)
+}
+
+/// The healthCheckNodePort servers, opened, moved and closed as Services
+/// change.
+pub struct ServiceHealthServers {
+    servers: BTreeMap<(String, String), (u16, Server)>,
+    bind_ip: String,
+    state: SharedHealth,
+    sync_period: Duration,
+}
+
+impl ServiceHealthServers {
+    pub fn new(bind_ip: &str, state: SharedHealth, sync_period: Duration) -> Self {
+        Self {
+            servers: BTreeMap::new(),
+            bind_ip: bind_ip.to_owned(),
+            state,
+            sync_period,
+        }
+    }
+
+    /// Makes the running servers match `checks`; returns the ones that could
+    /// not be bound (Service, port, error).
+    pub fn update(&mut self, checks: &[HealthCheck]) -> Vec<(String, u16, std::io::Error)> {
+        {
+            let mut state = self.state.lock().expect("health state");
+            state.local_endpoints = checks
+                .iter()
+                .map(|c| ((c.namespace.clone(), c.name.clone()), c.local_endpoints))
+                .collect();
+        }
+        let wanted: BTreeMap<(String, String), u16> = checks
+            .iter()
+            .map(|c| ((c.namespace.clone(), c.name.clone()), c.port))
+            .collect();
+        // Close servers whose Service is gone or whose port moved.
+        self.servers.retain(|k, (port, _)| wanted.get(k) == Some(port));
+        let mut failed = Vec::new();
+        for ((ns, name), port) in wanted {
+            if self.servers.contains_key(&(ns.clone(), name.clone())) {
+                continue;
+            }
+            let (state, period, n2, name2) = (self.state.clone(), self.sync_period, ns.clone(), name.clone());
+            let handler: Handler = Arc::new(move |_path: &str| {
+                service_health(&state.lock().expect("health state"), period, &n2, &name2)
+            });
+            match Server::bind(&format!("{}:{port}", self.bind_ip), handler) {
+                Ok(server) => {
+                    self.servers.insert((ns, name), (port, server));
+                }
+                Err(e) => failed.push((format!("{ns}/{name}"), port, e)),
+            }
+        }
+        failed
+    }
+
+    pub fn ports(&self) -> Vec<u16> {
+        self.servers.values().map(|(p, _)| *p).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_formats_utc_like_go() {
+        let t = UNIX_EPOCH + Duration::new(1_700_000_000, 5);
+        assert_eq!(rfc3339(t), "2023-11-14T22:13:20.000000005Z");
+        assert_eq!(rfc3339(UNIX_EPOCH), "1970-01-01T00:00:00.000000000Z");
+    }
+
+    #[test]
+    fn healthz_needs_a_recent_sync_and_an_eligible_node_livez_only_the_sync() {
+        let mut s = HealthState {
+            node_eligible: true,
+            ..Default::default()
+        };
+        let period = Duration::from_secs(30);
+        assert!(!proxy_health(&s, period, true).0, "never synced");
+        s.last_sync = Some(SystemTime::now());
+        assert!(proxy_health(&s, period, true).0);
+        s.node_eligible = false;
+        assert!(!proxy_health(&s, period, true).0);
+        assert!(
+            proxy_health(&s, period, false).0,
+            "livez ignores node eligibility"
+        );
+        s.last_sync = Some(SystemTime::now() - Duration::from_secs(61));
+        assert!(!proxy_health(&s, period, false).0, "older than 2 x sync period");
+    }
+
+    #[test]
+    fn service_health_is_200_with_local_endpoints_and_503_without() {
+        let mut s = HealthState {
+            node_eligible: true,
+            last_sync: Some(SystemTime::now()),
+            ..Default::default()
+        };
+        s.local_endpoints.insert(("ns".into(), "web".into()), 2);
+        let r = service_health(&s, Duration::from_secs(30), "ns", "web");
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            r.body,
+            r#"{"service":{"namespace":"ns","name":"web"},"localEndpoints":2,"serviceProxyHealthy":true}"#
+        );
+        assert!(
+            r.headers
+                .iter()
+                .any(|(k, v)| *k == "X-Content-Type-Options" && v == "nosniff")
+        );
+        assert_eq!(
+            service_health(&s, Duration::from_secs(30), "ns", "other").status,
+            503
+        );
+    }
+}

@@ -1,0 +1,50 @@
+//! The command line: parsing, and one module per verb. The
+//! `dataplane-agent` binary is `cli::main`.
+pub mod check;
+pub mod cleanup;
+pub mod run;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "dataplane-agent",
+    version,
+    about = "eBPF/XDP node dataplane that replaces kube-proxy"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the agent: program the datapath from Services and EndpointSlices.
+    ///
+    /// Example (a node of the test sandbox):
+    ///   ip netns exec node1 dataplane-agent run --node-name node1 --node-ip 198.18.0.11 \
+    ///     --devices eth0 --bpffs-dir /sys/fs/bpf/node1 --source manifests:/etc/dataplane/services \
+    ///     --cluster-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/16
+    Run(Box<run::RunArgs>),
+    /// Check that this kernel and these privileges can load the datapath.
+    ///
+    /// Loads the embedded eBPF object and every program in it through the
+    /// verifier, attaches nothing, and exits.
+    ///
+    /// Example: dataplane-agent check
+    Check,
+    /// Remove a stopped agent's pins: its programs detach and its maps
+    /// (conntrack included) go.
+    ///
+    /// Example: dataplane-agent cleanup --bpffs-dir /sys/fs/bpf/dataplane
+    Cleanup(cleanup::CleanupArgs),
+}
+
+/// Parses the command line and runs the verb.
+pub fn main() -> anyhow::Result<()> {
+    match Cli::parse().command {
+        Command::Run(args) => run::run(*args),
+        Command::Check => check::run(),
+        Command::Cleanup(args) => cleanup::run(&args),
+    }
+}

@@ -1,0 +1,214 @@
+use std::{net::Ipv4Addr, path::PathBuf, time::Duration};
+
+use crate::{
+    agent::{
+        self,
+        config::{ConfigFile, DEFAULT_POD_INTERFACES, NodePortAddresses, RunConfig, Source},
+    },
+    net::Ipv4Cidr,
+};
+use anyhow::{Context as _, bail};
+use dataplane_common::limits;
+
+/// Flags of `run`; each may also come from `--config` (flags win).
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// YAML file with any of the settings below (camelCase keys, e.g.
+    /// `nodeName`, `clusterCidr`, `nodePortAddresses`).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// This node's name (EndpointSlice nodeName of local endpoints).
+    #[arg(long)]
+    pub node_name: Option<String>,
+    /// The node's primary IPs; the first is the SNAT address.
+    #[arg(long, value_delimiter = ',')]
+    pub node_ip: Vec<Ipv4Addr>,
+    /// External devices: XDP and TC egress are attached here. Default: the
+    /// devices holding the node IPs.
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Vec<String>,
+    /// Pod-facing host interfaces (`prefix*` or exact names), followed as they
+    /// come and go.
+    #[arg(long, value_delimiter = ',')]
+    pub pod_interfaces: Vec<String>,
+    /// Per-instance pin directory in bpffs (maps and links survive restarts).
+    #[arg(long)]
+    pub bpffs_dir: Option<PathBuf>,
+    /// `manifests:PATH[,PATH...]` (YAML/JSON files or directories, reloaded on
+    /// change) or `kubernetes`.
+    #[arg(long)]
+    pub source: Option<Source>,
+    /// Where pods come from (kube-proxy's clusterCIDR).
+    #[arg(long)]
+    pub cluster_cidr: Option<Ipv4Cidr>,
+    /// Service CIDRs: traffic to an address in them that no Service holds is
+    /// dropped.
+    #[arg(long, value_delimiter = ',')]
+    pub service_cidr: Vec<Ipv4Cidr>,
+    /// `all` (every local address), `primary` (--node-ip) or CIDR[,CIDR...].
+    #[arg(long)]
+    pub node_port_addresses: Option<NodePortAddresses>,
+    /// SNAT every Service flow (kube-proxy's masqueradeAll).
+    #[arg(long)]
+    pub masquerade_all: bool,
+    /// /healthz and /livez; healthCheckNodePort servers bind the same IP.
+    #[arg(long)]
+    pub health_bind_address: Option<String>,
+    #[arg(long)]
+    pub metrics_bind_address: Option<String>,
+    /// Full resync period; /healthz fails after twice this without a sync.
+    #[arg(long)]
+    pub sync_period_seconds: Option<u64>,
+    /// API server URL (the `kubernetes` ClusterIP is served by this agent, so
+    /// it cannot be used to reach the API server).
+    #[arg(long)]
+    pub k8s_api_server: Option<String>,
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// `text` or `json`.
+    #[arg(long)]
+    pub log_format: Option<String>,
+    #[arg(long)]
+    pub max_services: Option<u32>,
+    #[arg(long)]
+    pub max_backends: Option<u32>,
+    #[arg(long)]
+    pub conntrack_entries: Option<u32>,
+}
+
+pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
+    let file: ConfigFile = match &args.config {
+        Some(p) => serde_yaml::from_str(
+            &std::fs::read_to_string(p).with_context(|| format!("reading config file {}", p.display()))?,
+        )
+        .with_context(|| format!("parsing config file {}", p.display()))?,
+        None => ConfigFile::default(),
+    };
+    let parse_err = |what: &str, e: String| anyhow::anyhow!("config file {what}: {e}");
+    let node_name = args
+        .node_name
+        .or(file.node_name)
+        .context("--node-name is required (this node's name, as EndpointSlices give it)")?;
+    let node_ips = if args.node_ip.is_empty() {
+        file.node_ip.unwrap_or_default()
+    } else {
+        args.node_ip
+    };
+    if node_ips.is_empty() {
+        bail!("--node-ip is required (the node's primary IPv4 address; the first one is the SNAT address)");
+    }
+    let mut devices = if args.devices.is_empty() {
+        file.devices.unwrap_or_default()
+    } else {
+        args.devices
+    };
+    if devices.is_empty() {
+        let local = agent::interfaces::ipv4_addresses();
+        devices = local
+            .iter()
+            .filter(|(_, a)| node_ips.contains(a))
+            .map(|(d, _)| d.clone())
+            .collect();
+        devices.dedup();
+        if devices.is_empty() {
+            bail!("no device holds the node IPs {node_ips:?} in this network namespace; pass --devices");
+        }
+    }
+    let pod_interfaces = if !args.pod_interfaces.is_empty() {
+        args.pod_interfaces
+    } else {
+        file.pod_interfaces
+            .unwrap_or_else(|| DEFAULT_POD_INTERFACES.iter().map(|s| s.to_string()).collect())
+    };
+    let source = match (args.source, file.source) {
+        (Some(s), _) => s,
+        (None, Some(s)) => s.parse().map_err(|e| parse_err("source", e))?,
+        (None, None) => Source::Kubernetes,
+    };
+    let cluster_cidr = match (args.cluster_cidr, file.cluster_cidr) {
+        (Some(c), _) => Some(c),
+        (None, Some(c)) => Some(
+            c.parse()
+                .map_err(|e: crate::net::CidrError| parse_err("clusterCidr", e.to_string()))?,
+        ),
+        (None, None) => None,
+    };
+    let service_cidrs = if !args.service_cidr.is_empty() {
+        args.service_cidr
+    } else {
+        file.service_cidr
+            .unwrap_or_default()
+            .iter()
+            .map(|c| {
+                c.parse()
+                    .map_err(|e: crate::net::CidrError| parse_err("serviceCidr", e.to_string()))
+            })
+            .collect::<Result<_, _>>()?
+    };
+    let node_port_addresses = match (args.node_port_addresses, file.node_port_addresses) {
+        (Some(n), _) => n,
+        (None, Some(n)) => n.parse().map_err(|e| parse_err("nodePortAddresses", e))?,
+        (None, None) => NodePortAddresses::All,
+    };
+    let log_format = args
+        .log_format
+        .or(file.log_format)
+        .unwrap_or_else(|| "text".into());
+    Ok((
+        RunConfig {
+            node_name,
+            node_ips,
+            devices,
+            pod_interfaces,
+            bpffs_dir: args
+                .bpffs_dir
+                .or(file.bpffs_dir)
+                .unwrap_or_else(|| PathBuf::from("/sys/fs/bpf/dataplane")),
+            source,
+            cluster_cidr,
+            service_cidrs,
+            node_port_addresses,
+            masquerade_all: args.masquerade_all || file.masquerade_all.unwrap_or(false),
+            health_bind_address: args
+                .health_bind_address
+                .or(file.health_bind_address)
+                .unwrap_or_else(|| "0.0.0.0:10256".into()),
+            metrics_bind_address: args
+                .metrics_bind_address
+                .or(file.metrics_bind_address)
+                .unwrap_or_else(|| "127.0.0.1:10249".into()),
+            sync_period: Duration::from_secs(
+                args.sync_period_seconds
+                    .or(file.sync_period_seconds)
+                    .unwrap_or(30)
+                    .max(1),
+            ),
+            k8s_api_server: args.k8s_api_server.or(file.k8s_api_server),
+            kubeconfig: args.kubeconfig.or(file.kubeconfig),
+            max_services: args
+                .max_services
+                .or(file.max_services)
+                .unwrap_or(limits::MAX_SERVICES),
+            max_backends: args
+                .max_backends
+                .or(file.max_backends)
+                .unwrap_or(limits::MAX_BACKENDS),
+            conntrack_entries: args
+                .conntrack_entries
+                .or(file.conntrack_entries)
+                .unwrap_or(limits::CT_ENTRIES),
+        },
+        log_format,
+    ))
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<()> {
+    let (cfg, log_format) = resolve(args)?;
+    let subscriber = tracing_subscriber::fmt().with_ansi(false).with_target(false);
+    match log_format.as_str() {
+        "json" => subscriber.json().init(),
+        "text" => subscriber.init(),
+        other => bail!("--log-format {other:?}: expected text or json"),
+    }
+    agent::run::run(cfg)
+}

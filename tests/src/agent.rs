@@ -1,0 +1,281 @@
+//! Agents as processes on the sandbox's nodes (`ip netns exec NODE agent
+//! run ...`), fed by a manifests directory the test edits.
+
+use std::{
+    io::{Read as _, Write as _},
+    net::{SocketAddrV4, TcpStream},
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use crate::{
+    cluster::{CLUSTER_CIDR, Cluster, EXTERNAL_DEVICE},
+    netns::NetNs,
+    services::SERVICE_CIDR,
+};
+
+pub const HEALTH_PORT: u16 = 10256;
+pub const METRICS_PORT: u16 = 10249;
+
+/// A directory of manifests, removed on drop. Writes are atomic (rename), so
+/// the agent never reads half a file.
+#[derive(Debug)]
+pub struct ManifestDir {
+    path: PathBuf,
+}
+
+impl ManifestDir {
+    pub fn new(prefix: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("{prefix}-manifests"));
+        std::fs::create_dir_all(&path).expect("create manifests dir");
+        Self { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes (or replaces) `name` with `yaml`.
+    pub fn write(&self, name: &str, yaml: &str) {
+        let tmp = self.path.join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, yaml).expect("write manifest");
+        std::fs::rename(&tmp, self.path.join(name)).expect("rename manifest");
+    }
+
+    pub fn remove(&self, name: &str) {
+        let _ = std::fs::remove_file(self.path.join(name));
+    }
+}
+
+impl Drop for ManifestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
+}
+
+/// A running agent; stopped (SIGTERM) on drop. Its pins stay under the
+/// sandbox's bpffs directory, which the sandbox removes.
+#[derive(Debug)]
+pub struct AgentProcess {
+    child: Option<Child>,
+    pub node: usize,
+    pub node_ip: std::net::Ipv4Addr,
+    pub log: PathBuf,
+    bin: String,
+    args: Vec<String>,
+    ns: String,
+}
+
+impl Cluster {
+    /// Starts the agent on node `node` with the sandbox's settings, reading
+    /// `manifests`, and waits until it has synced (its /healthz answers 200).
+    /// `bin` is the agent binary: `env!("CARGO_BIN_EXE_agent")` in a test
+    /// (this package's copy of `dataplane-agent`, always current).
+    pub fn start_agent(
+        &self,
+        bin: &str,
+        node: usize,
+        manifests: &ManifestDir,
+        extra: &[&str],
+    ) -> AgentProcess {
+        let n = &self.nodes[node];
+        let pin_dir = self.bpffs.path().join(&n.name);
+        let mut args: Vec<String> = [
+            "run",
+            "--node-name",
+            &n.name,
+            "--node-ip",
+            &n.ip().to_string(),
+            "--devices",
+            EXTERNAL_DEVICE,
+            "--bpffs-dir",
+            &pin_dir.display().to_string(),
+            "--source",
+            &format!("manifests:{}", manifests.path().display()),
+            "--cluster-cidr",
+            CLUSTER_CIDR,
+            "--service-cidr",
+            SERVICE_CIDR,
+            "--health-bind-address",
+            &format!("0.0.0.0:{HEALTH_PORT}"),
+            "--metrics-bind-address",
+            &format!("{}:{METRICS_PORT}", n.ip()),
+            "--max-services",
+            "256",
+            "--max-backends",
+            "1024",
+            "--conntrack-entries",
+            "16384",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut agent = AgentProcess {
+            child: None,
+            node,
+            node_ip: n.ip(),
+            log: std::env::temp_dir().join(format!("{}-{}-agent.log", self.prefix(), n.name)),
+            bin: bin.to_owned(),
+            args,
+            ns: n.ns().name().to_owned(),
+        };
+        agent.start();
+        agent.wait_healthy(n.ns());
+        agent
+    }
+}
+
+impl AgentProcess {
+    fn start(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("agent log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.ns, &self.bin])
+            .args(&self.args)
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("start the agent");
+        self.child = Some(child);
+    }
+
+    /// The agent's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// GET `path` on the agent's health port, from inside the node.
+    pub fn http_get(ns: &NetNs, addr: SocketAddrV4, path: &str) -> std::io::Result<(u16, String)> {
+        let mut s = ns.run(|| TcpStream::connect_timeout(&addr.into(), Duration::from_secs(1)))?;
+        s.set_read_timeout(Some(Duration::from_secs(2)))?;
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+        let mut out = String::new();
+        s.read_to_string(&mut out)?;
+        let status = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = out
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        Ok((status, body))
+    }
+
+    /// Waits until /healthz answers 200 (the first sync is done).
+    pub fn wait_healthy(&mut self, ns: &NetNs) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let addr = SocketAddrV4::new(self.node_ip, HEALTH_PORT);
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                panic!("the agent exited ({status}):\n{}", self.log_text());
+            }
+            if matches!(Self::http_get(ns, addr, "/healthz"), Ok((200, _))) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!(
+            "the agent did not become healthy within 20 s:\n{}",
+            self.log_text()
+        );
+    }
+
+    /// SIGKILL: no cleanup at all, as a crash or an OOM kill.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // `ip netns exec` execs the agent, so the child is the agent.
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the same agent again (same pins, same flags).
+    pub fn restart(&mut self, ns: &NetNs) {
+        self.kill9();
+        self.start();
+        self.wait_healthy(ns);
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: plain kill(2) on our child's pid.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while Instant::now() < deadline {
+                if c.try_wait().ok().flatten().is_some() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = std::fs::remove_file(&self.log);
+    }
+}
+
+/// An endpoint in a manifest: address, port, node name, conditions.
+#[derive(Clone, Debug)]
+pub struct ManifestEndpoint {
+    pub ip: std::net::Ipv4Addr,
+    pub node: String,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+}
+
+impl ManifestEndpoint {
+    pub fn ready(ip: std::net::Ipv4Addr, node: &str) -> Self {
+        Self {
+            ip,
+            node: node.into(),
+            ready: true,
+            serving: true,
+            terminating: false,
+        }
+    }
+    pub fn terminating(mut self) -> Self {
+        self.ready = false;
+        self.terminating = true;
+        self
+    }
+}
+
+/// A Service and its EndpointSlice as YAML. `spec` holds the spec's extra
+/// lines (type, nodePort, policies), indented by two spaces.
+pub fn service_yaml(
+    name: &str,
+    spec: &str,
+    port: u16,
+    node_port: Option<u16>,
+    target: u16,
+    eps: &[ManifestEndpoint],
+) -> String {
+    let node_port = node_port.map(|p| format!(", nodePort: {p}")).unwrap_or_default();
+    let mut y = format!(
+        "apiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default}}\nspec:\n{spec}  ports: [{{name: p, port: {port}, protocol: TCP{node_port}}}]\n"
+    );
+    y.push_str(&format!(
+        "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports: [{{name: p, port: {target}, protocol: TCP}}]\nendpoints:\n"
+    ));
+    if eps.is_empty() {
+        y.push_str("  []\n");
+    }
+    for e in eps {
+        y.push_str(&format!(
+            "  - {{addresses: [{}], nodeName: {}, conditions: {{ready: {}, serving: {}, terminating: {}}}}}\n",
+            e.ip, e.node, e.ready, e.serving, e.terminating
+        ));
+    }
+    y
+}
