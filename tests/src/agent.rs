@@ -79,6 +79,18 @@ impl Cluster {
         manifests: &ManifestDir,
         extra: &[&str],
     ) -> AgentProcess {
+        let source = format!("manifests:{}", manifests.path().display());
+        self.start_agent_with_source(bin, node, &source, extra)
+    }
+
+    /// As [`Cluster::start_agent`], with any `--source` (e.g. `kubernetes`).
+    pub fn start_agent_with_source(
+        &self,
+        bin: &str,
+        node: usize,
+        source: &str,
+        extra: &[&str],
+    ) -> AgentProcess {
         let n = &self.nodes[node];
         let pin_dir = self.bpffs.path().join(&n.name);
         let mut args: Vec<String> = [
@@ -92,7 +104,7 @@ impl Cluster {
             "--bpffs-dir",
             &pin_dir.display().to_string(),
             "--source",
-            &format!("manifests:{}", manifests.path().display()),
+            source,
             "--cluster-cidr",
             CLUSTER_CIDR,
             "--service-cidr",

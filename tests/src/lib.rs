@@ -11,6 +11,7 @@ pub mod agent;
 pub mod bpffs;
 pub mod cluster;
 pub mod echo;
+pub mod fake_api;
 pub mod netns;
 pub mod packet;
 pub mod services;

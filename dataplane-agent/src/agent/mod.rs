@@ -5,6 +5,7 @@ pub mod config;
 pub mod health;
 pub mod http;
 pub mod interfaces;
+pub mod kube_source;
 pub mod metrics;
 pub mod run;
 pub mod sync;

@@ -9,13 +9,15 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-use anyhow::{Context as _, bail};
+use anyhow::Context as _;
+use k8s_openapi::api::core::v1::ObjectReference;
 use tracing::{info, warn};
 
 use super::{
     config::{RunConfig, Source, interface_matches},
     health::{self, HealthState, ServiceHealthServers},
     interfaces,
+    kube_source::{KubeSource, WarningEvent},
     metrics::{self, Metrics},
     sync::{SyncReport, Syncer, node_context},
 };
@@ -68,14 +70,101 @@ fn stop_on_signal() -> Arc<AtomicBool> {
     stop
 }
 
+/// Where the store's objects come from.
+enum Feed {
+    Manifests {
+        paths: Vec<std::path::PathBuf>,
+        fingerprint: Option<Vec<(std::path::PathBuf, Option<SystemTime>, u64)>>,
+        previous: ObjectVersions,
+    },
+    Kube(KubeSource),
+}
+
+impl Feed {
+    /// Brings `store` up to date; true when anything changed.
+    fn poll(&mut self, store: &mut Store, metrics: &Mutex<Metrics>, node_name: &str) -> bool {
+        match self {
+            Feed::Kube(source) => {
+                let (svc, eps, any) = source.drain(store, node_name);
+                let mut m = metrics.lock().expect("metrics");
+                m.service_changes += svc;
+                m.endpoint_changes += eps;
+                any
+            }
+            Feed::Manifests {
+                paths,
+                fingerprint,
+                previous,
+            } => {
+                let fp = manifests::fingerprint(paths);
+                if fingerprint.as_ref() == Some(&fp) {
+                    return false;
+                }
+                *fingerprint = Some(fp);
+                match manifests::load(paths) {
+                    Ok(objects) => {
+                        for p in &objects.problems {
+                            warn!(problem = %p, "manifest skipped");
+                        }
+                        let versions = ObjectVersions::of(&objects);
+                        let (svc_changes, ep_changes) = versions.changes_since(previous);
+                        *previous = versions;
+                        {
+                            let mut m = metrics.lock().expect("metrics");
+                            m.service_changes += svc_changes;
+                            m.endpoint_changes += ep_changes;
+                        }
+                        store.replace_services(objects.services);
+                        store.replace_slices(objects.slices);
+                        store.set_node(
+                            objects
+                                .nodes
+                                .into_iter()
+                                .find(|n| n.metadata.name.as_deref() == Some(node_name)),
+                        );
+                        true
+                    }
+                    Err(e) => {
+                        warn!(error = %e, "cannot load manifests; keeping the last good set");
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    /// A Warning event on a Service (API source only; logs cover the rest).
+    fn warn(&self, store: &Store, object: &str, reason: &str, note: &str) {
+        let Feed::Kube(source) = self else { return };
+        let (ns, name) = object.split_once('/').unwrap_or(("default", object));
+        source.warn(WarningEvent {
+            reference: ObjectReference {
+                api_version: Some("v1".into()),
+                kind: Some("Service".into()),
+                namespace: Some(ns.into()),
+                name: Some(name.into()),
+                uid: store.service_uid(ns, name),
+                ..Default::default()
+            },
+            reason: reason.into(),
+            note: note.into(),
+        });
+    }
+}
+
 pub fn run(cfg: RunConfig) -> anyhow::Result<()> {
-    let Source::Manifests(paths) = &cfg.source else {
-        bail!(
-            "--source kubernetes is not available in this build yet; run with --source manifests:PATH (Service, \
-             EndpointSlice and Node YAML), e.g. kept in sync by a sidecar"
-        );
-    };
     let stop = stop_on_signal();
+    let mut feed = match &cfg.source {
+        Source::Manifests(paths) => Feed::Manifests {
+            paths: paths.clone(),
+            fingerprint: None,
+            previous: ObjectVersions::default(),
+        },
+        Source::Kubernetes => Feed::Kube(
+            KubeSource::start(cfg.k8s_api_server.clone(), cfg.kubeconfig.clone(), &cfg.node_name)
+                .context("starting the Kubernetes source")?,
+        ),
+    };
     let opts = load_options(&cfg);
     let mut dp = Datapath::open_pinned(&opts, &cfg.bpffs_dir)
         .with_context(|| format!("opening the datapath pinned under {}", cfg.bpffs_dir.display()))?;
@@ -125,42 +214,13 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<()> {
     info!(node = %cfg.node_name, health = %cfg.health_bind_address, metrics = %cfg.metrics_bind_address, "agent running");
 
     let mut store = Store::default();
-    let mut fingerprint = None;
-    let mut previous = ObjectVersions::default();
     let mut dirty = false;
     let mut last_sync: Option<Instant> = None;
     let mut last_housekeeping = Instant::now() - HOUSEKEEPING;
     let mut seen_triggers = std::collections::BTreeSet::new();
+    let mut reported = std::collections::BTreeSet::new();
     while !stop.load(Ordering::Relaxed) {
-        let fp = manifests::fingerprint(paths);
-        if fingerprint.as_ref() != Some(&fp) {
-            match manifests::load(paths) {
-                Ok(objects) => {
-                    for p in &objects.problems {
-                        warn!(problem = %p, "manifest skipped");
-                    }
-                    let versions = ObjectVersions::of(&objects);
-                    let (svc_changes, ep_changes) = versions.changes_since(&previous);
-                    previous = versions;
-                    {
-                        let mut m = metrics.lock().expect("metrics");
-                        m.service_changes += svc_changes;
-                        m.endpoint_changes += ep_changes;
-                    }
-                    store.replace_services(objects.services);
-                    store.replace_slices(objects.slices);
-                    store.set_node(
-                        objects
-                            .nodes
-                            .into_iter()
-                            .find(|n| n.metadata.name.as_deref() == Some(cfg.node_name.as_str())),
-                    );
-                    dirty = true;
-                }
-                Err(e) => warn!(error = %e, "cannot load manifests; keeping the last good set"),
-            }
-            fingerprint = Some(fp);
-        }
+        dirty |= feed.poll(&mut store, &metrics, &cfg.node_name);
         let due = last_sync.is_none_or(|t| t.elapsed() >= cfg.sync_period);
         if (dirty || due) && store.synced() {
             let node = node_context(
@@ -173,6 +233,18 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<()> {
             let bind_failures = service_health.update(&report.health_checks);
             for (svc, port, e) in &bind_failures {
                 warn!(service = %svc, port, error = %e, reason = "FailedToStartServiceHealthcheck", "cannot serve healthCheckNodePort");
+                if reported.insert(format!("{svc} health {port}")) {
+                    let note = format!(
+                        "node {} cannot listen on healthCheckNodePort {port}: {e}",
+                        cfg.node_name
+                    );
+                    feed.warn(&store, svc, "FailedToStartServiceHealthcheck", &note);
+                }
+            }
+            for (object, why) in &report.object_problems {
+                if reported.insert(format!("{object} {why}")) {
+                    feed.warn(&store, object, "FailedToProgramService", why);
+                }
             }
             {
                 let mut h = health.lock().expect("health");

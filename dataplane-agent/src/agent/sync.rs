@@ -27,6 +27,9 @@ pub struct SyncReport {
     pub summary: PlanSummary,
     /// Objects or parts skipped, and operations that failed (with why).
     pub problems: Vec<String>,
+    /// (namespace/name of the Service, why): the problems an event can be
+    /// attached to.
+    pub object_problems: Vec<(String, String)>,
     pub failed_ops: usize,
     pub health_checks: Vec<HealthCheck>,
     /// Service ports whose Local policy has no local endpoint.
@@ -64,6 +67,10 @@ impl Syncer {
             .iter()
             .map(|s| format!("{}: {}", s.object, s.reason))
             .collect();
+        let mut object_problems: Vec<(String, String)> = skipped
+            .iter()
+            .map(|s| (s.object.clone(), s.reason.clone()))
+            .collect();
         let ids = self.ids.assign(&ports);
         let mut numbered = Vec::new();
         let mut live_names = BTreeMap::new();
@@ -88,6 +95,11 @@ impl Syncer {
             }
         }
         let table = desired::compute(numbered.iter().copied(), node);
+        object_problems.extend(table.problems.iter().map(|p| {
+            // `namespace/name:port` → the Service object.
+            let object = p.service.rsplit_once(':').map_or(p.service.as_str(), |(o, _)| o);
+            (object.to_owned(), p.message.clone())
+        }));
         problems.extend(
             table
                 .problems
@@ -132,6 +144,7 @@ impl Syncer {
             backends: table.backends.len(),
             summary,
             problems,
+            object_problems,
             failed_ops,
             health_checks: store.health_checks(&ports),
             no_local_endpoints,

@@ -16,7 +16,7 @@ use crate::state::model::ServicePort;
 /// `namespace/name`.
 pub type ObjectKey = (String, String);
 
-fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectKey {
+pub fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectKey {
     (
         meta.namespace.clone().unwrap_or_else(|| "default".into()),
         meta.name.clone().unwrap_or_default(),
@@ -50,6 +50,13 @@ impl Store {
 
     pub fn slice_count(&self) -> usize {
         self.slices.len()
+    }
+
+    /// The uid of a Service, for event references.
+    pub fn service_uid(&self, namespace: &str, name: &str) -> Option<String> {
+        self.services
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .and_then(|s| s.metadata.uid.clone())
     }
 
     pub fn upsert_service(&mut self, mut svc: Service) {

@@ -1,0 +1,251 @@
+//! The Kubernetes API source: kube-rs watchers for Services, EndpointSlices
+//! (with kube-proxy's label selectors) and this Node, on a tokio runtime of
+//! their own; changes reach the sync loop through a channel. Also publishes
+//! Warning events for what the agent had to skip.
+
+use std::sync::mpsc;
+
+use futures::{StreamExt as _, stream::BoxStream};
+use k8s_openapi::api::{
+    core::v1::{Node, ObjectReference, Service},
+    discovery::v1::EndpointSlice,
+};
+use kube::{
+    Api, Client, Config,
+    config::{KubeConfigOptions, Kubeconfig},
+    runtime::{
+        WatchStreamExt as _,
+        events::{Event as KubeEvent, EventType, Recorder, Reporter},
+        watcher,
+    },
+};
+use tracing::{info, warn};
+
+use crate::k8s::store::Store;
+
+/// kube-proxy's selector: objects another proxy owns, and headless
+/// Services' slices, are not watched at all.
+pub const LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// One change to the store.
+pub enum Change {
+    Services(Delta<Service>),
+    Slices(Delta<EndpointSlice>),
+    Node(Delta<Node>),
+}
+
+// Objects travel boxed: the variants' sizes differ by hundreds of bytes.
+type Boxed<K> = Box<K>;
+
+pub enum Delta<K> {
+    /// A complete list (initial, or after a relist such as 410 Gone).
+    Replace(Vec<K>),
+    Apply(Boxed<K>),
+    Delete(Boxed<K>),
+}
+
+/// A Warning event to publish on an object.
+pub struct WarningEvent {
+    pub reference: ObjectReference,
+    pub reason: String,
+    pub note: String,
+}
+
+pub struct KubeSource {
+    changes: mpsc::Receiver<Change>,
+    events: tokio::sync::mpsc::UnboundedSender<WarningEvent>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum KubeSourceError {
+    #[error(
+        "cannot build the Kubernetes client configuration: {0}. Pass --k8s-api-server URL (and --kubeconfig) or run in-cluster"
+    )]
+    Config(String),
+    #[error("cannot start the Kubernetes watch runtime: {0}")]
+    Runtime(#[from] std::io::Error),
+}
+
+async fn client(
+    api_server: Option<String>,
+    kubeconfig: Option<std::path::PathBuf>,
+) -> Result<Client, KubeSourceError> {
+    let cfg_err = |e: &dyn std::fmt::Display| KubeSourceError::Config(e.to_string());
+    let mut config = match &kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path).map_err(|e| cfg_err(&e))?;
+            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .map_err(|e| cfg_err(&e))?
+        }
+        None => match Config::infer().await {
+            Ok(c) => c,
+            // Nothing to infer from: talk to the given server without credentials.
+            Err(e) => match &api_server {
+                Some(url) => Config::new(url.parse().map_err(|e| cfg_err(&e))?),
+                None => return Err(cfg_err(&e)),
+            },
+        },
+    };
+    // The `kubernetes` ClusterIP is served by this very agent: the API
+    // server's real address must come from configuration.
+    if let Some(url) = api_server {
+        config.cluster_url = url.parse().map_err(|e| cfg_err(&e))?;
+    }
+    Client::try_from(config).map_err(|e| cfg_err(&e))
+}
+
+async fn forward<K>(
+    name: &'static str,
+    stream: BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>,
+    tx: mpsc::Sender<Change>,
+    wrap: fn(Delta<K>) -> Change,
+) {
+    {
+        let mut stream = stream;
+        let mut buffer: Option<Vec<K>> = None;
+        while let Some(ev) = stream.next().await {
+            let change = match ev {
+                Ok(watcher::Event::Init) => {
+                    buffer = Some(Vec::new());
+                    continue;
+                }
+                Ok(watcher::Event::InitApply(obj)) => {
+                    buffer.get_or_insert_with(Vec::new).push(obj);
+                    continue;
+                }
+                Ok(watcher::Event::InitDone) => {
+                    let items = buffer.take().unwrap_or_default();
+                    info!(resource = name, objects = items.len(), "listed");
+                    Delta::Replace(items)
+                }
+                Ok(watcher::Event::Apply(obj)) => Delta::Apply(Box::new(obj)),
+                Ok(watcher::Event::Delete(obj)) => Delta::Delete(Box::new(obj)),
+                Err(e) => {
+                    warn!(resource = name, error = %e, "watch failed; retrying with backoff");
+                    continue;
+                }
+            };
+            if tx.send(wrap(change)).is_err() {
+                return;
+            }
+        }
+    }
+}
+
+impl KubeSource {
+    pub fn start(
+        api_server: Option<String>,
+        kubeconfig: Option<std::path::PathBuf>,
+        node_name: &str,
+    ) -> Result<Self, KubeSourceError> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (tx, rx) = mpsc::channel();
+        let (events_tx, mut events_rx) = tokio::sync::mpsc::unbounded_channel::<WarningEvent>();
+        let node_name = node_name.to_owned();
+        let (ready_tx, ready_rx) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("kube-source".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let client = match client(api_server, kubeconfig).await {
+                        Ok(c) => {
+                            let _ = ready_tx.send(Ok(()));
+                            c
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let cfg = watcher::Config::default().labels(LABEL_SELECTOR);
+                    let services = watcher(Api::<Service>::all(client.clone()), cfg.clone())
+                        .default_backoff()
+                        .boxed();
+                    let slices = watcher(Api::<EndpointSlice>::all(client.clone()), cfg)
+                        .default_backoff()
+                        .boxed();
+                    let node_cfg = watcher::Config::default().fields(&format!("metadata.name={node_name}"));
+                    let nodes = watcher(Api::<Node>::all(client.clone()), node_cfg)
+                        .default_backoff()
+                        .boxed();
+                    let recorder = Recorder::new(
+                        client,
+                        Reporter {
+                            controller: "dataplane-agent".into(),
+                            instance: Some(node_name.clone()),
+                        },
+                    );
+                    let publish = async move {
+                        while let Some(ev) = events_rx.recv().await {
+                            let event = KubeEvent {
+                                type_: EventType::Warning,
+                                reason: ev.reason.clone(),
+                                note: Some(ev.note.clone()),
+                                action: "Program".into(),
+                                secondary: None,
+                            };
+                            if let Err(e) = recorder.publish(&event, &ev.reference).await {
+                                warn!(reason = %ev.reason, error = %e, "cannot publish event");
+                            }
+                        }
+                    };
+                    futures::join!(
+                        forward("services", services, tx.clone(), Change::Services),
+                        forward("endpointslices", slices, tx.clone(), Change::Slices),
+                        forward("node", nodes, tx, Change::Node),
+                        publish,
+                    );
+                });
+            })?;
+        if let Ok(Err(e)) = ready_rx.recv() {
+            return Err(e);
+        }
+        Ok(Self {
+            changes: rx,
+            events: events_tx,
+        })
+    }
+
+    /// Applies every pending change to `store`; returns (service changes,
+    /// endpoint slice changes, anything changed).
+    pub fn drain(&self, store: &mut Store, node_name: &str) -> (u64, u64, bool) {
+        let (mut svc, mut eps, mut any) = (0, 0, false);
+        while let Ok(change) = self.changes.try_recv() {
+            any = true;
+            match change {
+                Change::Services(d) => {
+                    svc += 1;
+                    match d {
+                        Delta::Replace(items) => store.replace_services(items),
+                        Delta::Apply(s) => store.upsert_service(*s),
+                        Delta::Delete(s) => store.remove_service(&crate::k8s::store::key_of(&s.metadata)),
+                    }
+                }
+                Change::Slices(d) => {
+                    eps += 1;
+                    match d {
+                        Delta::Replace(items) => store.replace_slices(items),
+                        Delta::Apply(s) => store.upsert_slice(*s),
+                        Delta::Delete(s) => store.remove_slice(&crate::k8s::store::key_of(&s.metadata)),
+                    }
+                }
+                Change::Node(d) => match d {
+                    Delta::Replace(mut items) => store.set_node(items.pop()),
+                    Delta::Apply(n) if n.metadata.name.as_deref() == Some(node_name) => {
+                        store.set_node(Some(*n))
+                    }
+                    Delta::Apply(_) => {}
+                    Delta::Delete(_) => store.set_node(None),
+                },
+            }
+        }
+        (svc, eps, any)
+    }
+
+    pub fn warn(&self, event: WarningEvent) {
+        let _ = self.events.send(event);
+    }
+}

@@ -1,0 +1,179 @@
+//! The agent against an in-process API server speaking list/watch: the maps
+//! follow watch events, relists after 410 Gone, resumes after dropped
+//! connections, and Warning events are posted for what cannot be done.
+
+use std::{
+    collections::BTreeSet,
+    io::ErrorKind,
+    net::{SocketAddrV4, TcpListener},
+    time::{Duration, Instant},
+};
+
+use dataplane_agent::k8s::manifests::{Objects, load_text};
+use dataplane_tests::{
+    agent::{AgentProcess, ManifestEndpoint as Ep, service_yaml},
+    cluster::Cluster,
+    echo::{EchoServer, TcpClient, tcp_request},
+    fake_api::FakeApiServer,
+};
+
+const BIN: &str = env!("CARGO_BIN_EXE_agent");
+const NODE_PORT: u16 = 30080;
+
+fn objects(yaml: &str) -> Objects {
+    let mut o = Objects::default();
+    load_text(yaml, "test", &mut o);
+    assert!(o.problems.is_empty(), "{:?}", o.problems);
+    o
+}
+
+struct Sandbox {
+    agent: AgentProcess,
+    api: FakeApiServer,
+    _servers: Vec<EchoServer>,
+    cluster: Cluster,
+}
+
+fn web(cluster: &Cluster, pods: &[&str]) -> Objects {
+    let eps: Vec<Ep> = pods
+        .iter()
+        .map(|p| {
+            let pod = cluster.pod(p);
+            Ep::ready(pod.ip, &cluster.nodes[pod.node].name)
+        })
+        .collect();
+    objects(&service_yaml(
+        "web",
+        "  type: NodePort\n  clusterIP: 10.96.0.10\n",
+        80,
+        Some(NODE_PORT),
+        8080,
+        &eps,
+    ))
+}
+
+fn apply(api: &FakeApiServer, o: &Objects) {
+    o.services.iter().for_each(|x| api.apply(x));
+    o.slices.iter().for_each(|x| api.apply(x));
+    o.nodes.iter().for_each(|x| api.apply(x));
+}
+
+impl Sandbox {
+    fn web(&self, pods: &[&str]) -> Objects {
+        web(&self.cluster, pods)
+    }
+
+    fn apply(&self, o: &Objects) {
+        apply(&self.api, o);
+    }
+
+    fn seen(&self, n: usize) -> BTreeSet<String> {
+        let dst = SocketAddrV4::new(self.cluster.nodes[0].ip(), NODE_PORT);
+        (0..n)
+            .filter_map(|_| {
+                tcp_request(&self.cluster.client.ns, dst, "x")
+                    .ok()
+                    .map(|r| r.server)
+            })
+            .collect()
+    }
+
+    fn eventually(&self, what: &str, check: impl Fn() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if check() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("{what}: not reached in 15 s\n{}", self.agent.log_text());
+    }
+}
+
+fn set(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn agent_follows_the_api_through_watch_events_relists_and_reconnects() {
+    let mut cluster = Cluster::new();
+    for (name, node) in [("a", 0), ("b", 1), ("c", 1)] {
+        cluster.add_pod(node, name);
+    }
+    let servers = cluster
+        .pods
+        .iter()
+        .map(|p| EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, 8080)))
+        .collect();
+    // The API server listens inside node1, as a real one is reachable from it.
+    let api = FakeApiServer::start(cluster.nodes[0].ns());
+    let node = objects(
+        "apiVersion: v1\nkind: Node\nmetadata: {name: node1, labels: {topology.kubernetes.io/zone: z1}}\n",
+    );
+    apply(&api, &node);
+    apply(&api, &web(&cluster, &["a", "b"]));
+    let agent = cluster.start_agent_with_source(BIN, 0, "kubernetes", &["--k8s-api-server", &api.url()]);
+    let s = Sandbox {
+        agent,
+        api,
+        _servers: servers,
+        cluster,
+    };
+    assert_eq!(s.seen(30), set(&["a", "b"]), "programmed from the initial lists");
+
+    // A watch event.
+    s.apply(&s.web(&["a"]));
+    s.eventually("only a after a MODIFIED event", || s.seen(8) == set(&["a"]));
+
+    // 410 Gone: the agent must relist; the change made meanwhile shows up.
+    let lists_before = s.api.lists("endpointslices");
+    s.api.expire_watches();
+    s.apply(&s.web(&["a", "c"]));
+    s.eventually("c after the relist", || s.seen(20).contains("c"));
+    assert!(
+        s.api.lists("endpointslices") > lists_before,
+        "410 made the agent relist"
+    );
+
+    // A dropped connection: the agent resumes the watch.
+    s.api.bookmark();
+    s.api.drop_connections();
+    s.apply(&s.web(&["b"]));
+    s.eventually("only b after the watch resumed", || s.seen(8) == set(&["b"]));
+
+    // Something that cannot be done gets a Warning event; the rest works.
+    let port_taken = s.cluster.nodes[0]
+        .ns()
+        .run(|| TcpListener::bind("0.0.0.0:32000"))
+        .expect("occupy the health check port");
+    let lb = objects(
+        "apiVersion: v1\nkind: Service\nmetadata: {name: lb, namespace: default}\nspec:\n  type: LoadBalancer\n  clusterIP: 10.96.0.20\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n  externalIPs: [not-an-ip]\n  ports: [{name: p, port: 80, nodePort: 30090}]\n",
+    );
+    s.apply(&lb);
+    s.eventually("Warning events posted", || {
+        let reasons: BTreeSet<String> = s
+            .api
+            .events()
+            .iter()
+            .filter_map(|e| e["reason"].as_str().map(str::to_owned))
+            .collect();
+        reasons.contains("FailedToStartServiceHealthcheck") && reasons.contains("FailedToProgramService")
+    });
+    let event = s
+        .api
+        .events()
+        .into_iter()
+        .find(|e| e["reason"] == "FailedToStartServiceHealthcheck")
+        .unwrap();
+    assert_eq!(event["type"], "Warning");
+    assert_eq!(event["regarding"]["name"], "lb");
+    assert_eq!(s.seen(8), set(&["b"]), "the other Service keeps working");
+    drop(port_taken);
+
+    // Deleted through the API: gone from the datapath.
+    s.api.delete("Service", "default", "web");
+    let dst = SocketAddrV4::new(s.cluster.nodes[0].ip(), NODE_PORT);
+    s.eventually("the deleted Service is gone", || {
+        TcpClient::connect(&s.cluster.client.ns, dst).is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused)
+    });
+}
