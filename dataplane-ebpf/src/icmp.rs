@@ -2,9 +2,12 @@
 //! translated flows rewritten so that they reach the client.
 
 use aya_ebpf::{
-    bindings::xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
-    helpers::{bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
-    programs::XdpContext,
+    bindings::{
+        TC_ACT_REDIRECT, TC_ACT_SHOT,
+        xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
+    },
+    helpers::{bpf_redirect, bpf_skb_change_tail, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
+    programs::{TcContext, XdpContext},
 };
 use dataplane_common::{config::DpConfig, ct::ct_flags, proto, stats::Event};
 
@@ -201,4 +204,64 @@ fn translate_error(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u64) -> Op
     store(ctx, pkt.l3 + ip::DADDR, new_o_daddr)?;
     store(ctx, pkt.l3 + ip::CHECK, csum::apply(outer_check, outer_diff))?;
     Some(true)
+}
+
+/// The TC twin of [`reject_xdp`] for a pod's packet: the frame becomes an
+/// ICMP port-unreachable from the address the pod tried, sent back out of
+/// the interface it came in on (towards the pod).
+#[inline(always)]
+pub fn reject_tc(ctx: &TcContext, pkt: &Ipv4, event: Event) -> (i32, Event) {
+    if build_reject_tc(ctx, pkt.l3, pkt.l4) == 0 {
+        // SAFETY: reading the context's ifindex; helper without pointers.
+        let ifindex = unsafe { (*ctx.skb.skb).ifindex };
+        (unsafe { bpf_redirect(ifindex, 0) } as i32, event)
+    } else {
+        (TC_ACT_SHOT, Event::DropRejectFailed)
+    }
+}
+
+#[inline(never)]
+fn build_reject_tc(ctx: &TcContext, l3: usize, l4: usize) -> u32 {
+    match try_build_reject_tc(ctx, l3, l4) {
+        Some(()) => 0,
+        None => 1,
+    }
+}
+
+#[inline(always)]
+fn try_build_reject_tc(ctx: &TcContext, l3: usize, l4: usize) -> Option<()> {
+    // Pod interfaces carry untagged Ethernet.
+    if l3 != crate::packet::ETH_HLEN || l4 != l3 + ip::HLEN {
+        return None;
+    }
+    let macs: [u8; 12] = load(ctx, 0)?;
+    let quote: [u8; QUOTE] = load(ctx, l3)?;
+    const LEN: usize = crate::packet::ETH_HLEN + REJECT_LEN;
+    // SAFETY: helper on our own context.
+    if unsafe { bpf_skb_change_tail(ctx.skb.skb, LEN as u32, 0) } != 0 {
+        return None;
+    }
+    let mut f = [0u8; LEN];
+    f[..6].copy_from_slice(&macs[6..12]);
+    f[6..12].copy_from_slice(&macs[..6]);
+    f[12] = 0x08; // IPv4
+    let p = &mut f[crate::packet::ETH_HLEN..];
+    p[0] = 0x45;
+    p[1] = 0xc0;
+    p[2..4].copy_from_slice(&(REJECT_LEN as u16).to_be_bytes());
+    p[ip::TTL] = 64;
+    p[ip::PROTO] = proto::ICMP;
+    p[12..16].copy_from_slice(&quote[16..20]);
+    p[16..20].copy_from_slice(&quote[12..16]);
+    // SAFETY: the pointers cover the stack buffer.
+    let c = unsafe { checksum_at(p.as_ptr(), ip::HLEN) };
+    p[10..12].copy_from_slice(&c.to_ne_bytes());
+    p[20] = ICMP_DEST_UNREACH;
+    p[21] = ICMP_PORT_UNREACH;
+    p[28..].copy_from_slice(&quote);
+    let c = unsafe { checksum_at(p.as_ptr().add(ip::HLEN), 8 + QUOTE) };
+    p[22..24].copy_from_slice(&c.to_ne_bytes());
+    ctx.store(0, &f, 0).ok()?;
+    let _ = TC_ACT_REDIRECT;
+    Some(())
 }

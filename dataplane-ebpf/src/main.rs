@@ -8,6 +8,7 @@
 
 mod csum;
 mod ct;
+mod flow;
 mod icmp;
 mod ingress;
 mod lb;

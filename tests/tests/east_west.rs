@@ -1,0 +1,238 @@
+//! East-west end to end: pods reach Services (ClusterIP, NodePort of any
+//! node, LB IPs) through `tc_pod_ingress` on their host interface, with
+//! kube-proxy's semantics: iTP=Local, the eTP=Local short-circuit, hairpin,
+//! rejects, and UDP flows that move with their backend.
+
+use std::{
+    collections::BTreeSet,
+    io::ErrorKind,
+    net::{Ipv4Addr, SocketAddrV4},
+    time::{Duration, Instant},
+};
+
+use dataplane_agent::net::Protocol;
+use dataplane_common::stats::Event;
+use dataplane_tests::{
+    cluster::Cluster,
+    echo::{EchoServer, TcpClient, UdpClient, tcp_request},
+    services::{NodeDatapath, TestEndpoint, TestService},
+};
+
+const TCP_PORT: u16 = 8080;
+const UDP_PORT: u16 = 5353;
+const CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+
+/// Pods: "client" and "a" on node1, "b" and "c" on node2; TCP and UDP echo
+/// servers on a, b, c (and on client, for hairpin).
+struct Sandbox {
+    nodes: Vec<NodeDatapath>,
+    _servers: Vec<EchoServer>,
+    cluster: Cluster,
+}
+
+impl Sandbox {
+    fn new() -> Self {
+        let mut cluster = Cluster::new();
+        for (name, node) in [("client", 0), ("a", 0), ("b", 1), ("c", 1)] {
+            cluster.add_pod(node, name);
+        }
+        let mut servers = Vec::new();
+        for p in &cluster.pods {
+            servers.push(EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TCP_PORT)));
+            servers.push(EchoServer::udp(&p.ns, &p.name, SocketAddrV4::new(p.ip, UDP_PORT)));
+        }
+        let nodes = (0..2).map(|i| cluster.start_datapath(i)).collect();
+        Self {
+            nodes,
+            _servers: servers,
+            cluster,
+        }
+    }
+
+    fn ep(&self, pod: &str, port: u16) -> TestEndpoint {
+        let p = self.cluster.pod(pod);
+        TestEndpoint::ready(p.ip, port, p.node)
+    }
+
+    fn svc(&self, id: u32, pods: &[&str]) -> TestService {
+        pods.iter().fold(
+            TestService::new(id, "web", Protocol::Tcp, 80).cluster_ip(CIP),
+            |s, p| s.endpoint(self.ep(p, TCP_PORT)),
+        )
+    }
+
+    fn program(&mut self, services: &[&TestService]) {
+        for n in &mut self.nodes {
+            n.program(services);
+        }
+    }
+
+    fn from_pod(&self, pod: &str, dst: SocketAddrV4) -> std::io::Result<dataplane_tests::echo::EchoReply> {
+        tcp_request(&self.cluster.pod(pod).ns, dst, "x")
+    }
+
+    fn seen(&self, pod: &str, dst: SocketAddrV4, n: usize) -> BTreeSet<String> {
+        (0..n)
+            .map(|i| {
+                self.from_pod(pod, dst)
+                    .unwrap_or_else(|e| panic!("request {i} from {pod} to {dst}: {e}; {}", self.report()))
+                    .server
+            })
+            .collect()
+    }
+
+    fn report(&self) -> String {
+        let mut out = String::new();
+        for (i, n) in self.nodes.iter().enumerate() {
+            for (e, c) in n.datapath.maps().counters().unwrap() {
+                if c.packets > 0 {
+                    out.push_str(&format!("node{} {}={} ", i + 1, e.name(), c.packets));
+                }
+            }
+        }
+        out
+    }
+}
+
+fn set(v: &[&str]) -> BTreeSet<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn pod_reaches_cluster_ip_with_local_and_remote_backends_without_snat() {
+    let mut s = Sandbox::new();
+    let svc = s.svc(1, &["a", "b"]);
+    s.program(&[&svc]);
+    let dst = SocketAddrV4::new(CIP, 80);
+    let mut seen = BTreeSet::new();
+    for i in 0..30 {
+        let r = s
+            .from_pod("client", dst)
+            .unwrap_or_else(|e| panic!("request {i}: {e}; {}", s.report()));
+        assert_eq!(
+            *r.peer.ip(),
+            s.cluster.pod("client").ip,
+            "in-cluster source: no SNAT"
+        );
+        seen.insert(r.server);
+    }
+    assert_eq!(seen, set(&["a", "b"]), "local (a) and remote (b) backends");
+    // The pod sees the Service address it used.
+    let c = TcpClient::connect(&s.cluster.pod("client").ns, dst).unwrap();
+    drop(c);
+}
+
+#[test]
+fn pod_reaches_node_ports_of_its_node_and_the_other_node() {
+    let mut s = Sandbox::new();
+    let svc = s.svc(1, &["a", "b"]).node_port(30080);
+    s.program(&[&svc]);
+    for node in 0..2 {
+        let dst = SocketAddrV4::new(s.cluster.nodes[node].ip(), 30080);
+        assert_eq!(
+            s.seen("client", dst, 30),
+            set(&["a", "b"]),
+            "NodePort of node{}",
+            node + 1
+        );
+    }
+}
+
+#[test]
+fn pod_reaches_lb_ip_of_local_policy_service_without_local_backend() {
+    let mut s = Sandbox::new();
+    // Only b and c, both on node2; eTP=Local. The client pod is on node1.
+    let svc = s.svc(1, &["b", "c"]).load_balancer_ip(LB_IP).external_local();
+    s.program(&[&svc]);
+    let seen = s.seen("client", SocketAddrV4::new(LB_IP, 80), 30);
+    assert_eq!(seen, set(&["b", "c"]), "short-circuit to the cluster set");
+}
+
+#[test]
+fn hairpin_a_pod_reaches_itself_through_its_service() {
+    let mut s = Sandbox::new();
+    let svc = s.svc(1, &["a"]);
+    s.program(&[&svc]);
+    let r = s
+        .from_pod("a", SocketAddrV4::new(CIP, 80))
+        .unwrap_or_else(|e| panic!("hairpin: {e}; {}", s.report()));
+    assert_eq!(r.server, "a");
+    assert_eq!(
+        *r.peer.ip(),
+        s.cluster.nodes[0].ip(),
+        "hairpin is masqueraded to the node"
+    );
+}
+
+#[test]
+fn internal_traffic_policy_local_uses_local_endpoints_and_drops_without() {
+    let mut s = Sandbox::new();
+    let svc = s.svc(1, &["a", "b"]).internal_local();
+    s.program(&[&svc]);
+    assert_eq!(
+        s.seen("client", SocketAddrV4::new(CIP, 80), 20),
+        set(&["a"]),
+        "node1's local endpoint only"
+    );
+
+    let svc = s.svc(1, &["b", "c"]).internal_local();
+    s.program(&[&svc]);
+    let err = s
+        .from_pod("client", SocketAddrV4::new(CIP, 80))
+        .expect_err("no local endpoint");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "dropped: {err}");
+    assert!(
+        s.nodes[0]
+            .datapath
+            .maps()
+            .counter(Event::DropNoLocalEndpoint)
+            .unwrap()
+            .packets
+            > 0
+    );
+}
+
+#[test]
+fn pod_gets_an_immediate_error_from_a_service_without_endpoints() {
+    let mut s = Sandbox::new();
+    let tcp = s.svc(1, &[]);
+    let udp = TestService::new(2, "dns", Protocol::Udp, 53).cluster_ip(CIP);
+    s.program(&[&tcp, &udp]);
+    let started = Instant::now();
+    let err = TcpClient::connect(&s.cluster.pod("client").ns, SocketAddrV4::new(CIP, 80))
+        .expect_err("no endpoints");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}; {}", s.report());
+    assert!(started.elapsed() < Duration::from_secs(1));
+    let err = UdpClient::connect(&s.cluster.pod("client").ns, SocketAddrV4::new(CIP, 53))
+        .unwrap()
+        .request("q")
+        .expect_err("no endpoints");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}");
+}
+
+#[test]
+fn udp_queries_follow_the_backend_when_it_moves() {
+    let mut s = Sandbox::new();
+    let dns = |s: &Sandbox, pod: &str| {
+        TestService::new(2, "dns", Protocol::Udp, 53)
+            .cluster_ip(CIP)
+            .endpoint(s.ep(pod, UDP_PORT))
+    };
+    let first = dns(&s, "b");
+    s.program(&[&first]);
+    // One socket, as a resolver keeps: same 5-tuple for every query.
+    let client = UdpClient::connect(&s.cluster.pod("client").ns, SocketAddrV4::new(CIP, 53)).unwrap();
+    for i in 0..5 {
+        assert_eq!(client.request(&format!("q{i}")).unwrap().server, "b");
+    }
+    // CoreDNS moves from b to c: b is gone from the slice.
+    let moved = dns(&s, "c");
+    s.program(&[&moved]);
+    for i in 0..10 {
+        let r = client
+            .request(&format!("after {i}"))
+            .unwrap_or_else(|e| panic!("query {i} after the move: {e}; {}", s.report()));
+        assert_eq!(r.server, "c", "query {i} went to the old backend");
+    }
+}
