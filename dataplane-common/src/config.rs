@@ -42,14 +42,22 @@ pub struct DpConfig {
     pub ct_tcp_timeout_s: u32,
     pub ct_tcp_close_timeout_s: u32,
     pub ct_udp_timeout_s: u32,
+    /// Network namespace cookie of the node (the agent's namespace): with
+    /// [`config_flags::SOCKET_LB_HOST_ONLY`], connect-time translation only
+    /// applies to sockets in it.
+    pub host_netns_cookie: u64,
 }
-crate::assert_layout!(DpConfig, 64, 4);
+crate::assert_layout!(DpConfig, 72, 8);
 
 pub mod config_flags {
     /// The agent wrote this config.
     pub const CONFIGURED: u32 = 1 << 0;
     /// kube-proxy's masqueradeAll: SNAT every new service flow.
     pub const MASQUERADE_ALL: u32 = 1 << 1;
+    /// Connect-time (socket) translation only for the host's own sockets;
+    /// pods (other network namespaces) keep per-packet translation, which
+    /// service meshes that redirect traffic per packet rely on.
+    pub const SOCKET_LB_HOST_ONLY: u32 = 1 << 2;
 }
 
 impl DpConfig {

@@ -49,3 +49,28 @@ pub mod ct_flags {
 }
 
 crate::impl_pod!(Ct4Key, Ct4Entry);
+
+/// Connect-time translation: which Service address a socket's backend
+/// stands for (getpeername, recvmsg).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Sock4RevKey {
+    pub cookie: u64,
+    /// Backend address and port (network order).
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+}
+crate::assert_layout!(Sock4RevKey, 16, 8);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sock4RevValue {
+    /// Service address and port (network order).
+    pub addr: u32,
+    pub port: u16,
+    pub _pad: u16,
+}
+crate::assert_layout!(Sock4RevValue, 8, 4);
+
+crate::impl_pod!(Sock4RevKey, Sock4RevValue);

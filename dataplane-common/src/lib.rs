@@ -31,8 +31,11 @@ pub mod names {
     /// Service id → namespace/name/port (agent-written, kernel-unused).
     pub const LB4_SERVICE_NAMES: &str = "LB4_SERVICE_NAMES_V1";
 
+    /// Socket cookie + backend → Service address (connect-time LB).
+    pub const SOCK4_REVNAT: &str = "SOCK4_REVNAT_V1";
+
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 9] = [
+    pub const ALL_MAPS: [&str; 10] = [
         CONFIG,
         LB4_BACKENDS,
         LB4_SERVICES,
@@ -42,10 +45,17 @@ pub mod names {
         COUNTERS,
         SERVICE_STATS,
         LB4_SERVICE_NAMES,
+        SOCK4_REVNAT,
     ];
 
     /// XDP on the node's external devices: north-south translation.
     pub const XDP_INGRESS: &str = "xdp_ingress";
+    /// cgroup connect4/sendmsg4/recvmsg4/getpeername4: connect-time
+    /// translation for the node's own processes (host-network pods, daemons).
+    pub const SOCK_CONNECT4: &str = "sock_connect4";
+    pub const SOCK_SENDMSG4: &str = "sock_sendmsg4";
+    pub const SOCK_RECVMSG4: &str = "sock_recvmsg4";
+    pub const SOCK_GETPEERNAME4: &str = "sock_getpeername4";
     /// Parse and pass: the benchmarks' floor, and a pass-through for veth
     /// peers (which receive XDP_TX frames only when they run XDP).
     pub const XDP_FLOOR: &str = "xdp_floor";
@@ -78,6 +88,8 @@ pub mod limits {
     pub const CT_ENTRIES: u32 = 262_144;
     pub const AFFINITY_ENTRIES: u32 = 65_536;
     pub const SOURCE_RANGE_ENTRIES: u32 = 16_384;
+    /// Connect-time translations remembered for getpeername/recvmsg.
+    pub const SOCK_REVNAT_ENTRIES: u32 = 65_536;
     /// SNAT ports are tried this many times before a new flow is dropped.
     pub const SNAT_ATTEMPTS: u32 = 16;
 }

@@ -27,16 +27,19 @@ pub enum Hook {
     XdpIngress = 0,
     TcEgress = 1,
     TcPodIngress = 2,
+    /// Connect-time translation (cgroup hooks); counts sockets, not packets.
+    Socket = 3,
 }
 
 impl Hook {
-    pub const ALL: [Hook; 3] = [Hook::XdpIngress, Hook::TcEgress, Hook::TcPodIngress];
+    pub const ALL: [Hook; 4] = [Hook::XdpIngress, Hook::TcEgress, Hook::TcPodIngress, Hook::Socket];
 
     pub const fn name(self) -> &'static str {
         match self {
             Hook::XdpIngress => "xdp_ingress",
             Hook::TcEgress => "tc_egress",
             Hook::TcPodIngress => "tc_pod_ingress",
+            Hook::Socket => "socket",
         }
     }
 }
@@ -154,4 +157,4 @@ impl Event {
 
 /// Number of slots in [`crate::names::COUNTERS`]: one block per hook, with
 /// room to append events and hooks.
-pub const COUNTER_SLOTS: u32 = 4 * HOOK_STRIDE;
+pub const COUNTER_SLOTS: u32 = 8 * HOOK_STRIDE;

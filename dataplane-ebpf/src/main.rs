@@ -16,11 +16,12 @@ mod maps;
 mod nat;
 mod packet;
 mod reply;
+mod sock;
 mod stats;
 
 use aya_ebpf::{
-    macros::{classifier, xdp},
-    programs::{TcContext, XdpContext},
+    macros::{cgroup_sock_addr, classifier, xdp},
+    programs::{SockAddrContext, TcContext, XdpContext},
 };
 use dataplane_common::stats::Hook;
 use nat::Side;
@@ -65,6 +66,30 @@ fn tc_run(ctx: TcContext, hook: Hook, side: Side) -> i32 {
     let (action, event) = reply::run(&ctx, side);
     stats::count(hook, event, len);
     action
+}
+
+/// Connect-time translation of the node's own connections to Services.
+#[cgroup_sock_addr(connect4)]
+pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// Per-datagram translation of unconnected UDP sends to Services.
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx)
+}
+
+/// The Service address, not the backend, as the source of received datagrams.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
+}
+
+/// The Service address, not the backend, as a connected socket's peer.
+#[cgroup_sock_addr(getpeername4)]
+pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx)
 }
 
 #[cfg(not(test))]

@@ -7,7 +7,7 @@ use aya_ebpf::{
 };
 use dataplane_common::{
     config::DpConfig,
-    ct::{Ct4Entry, Ct4Key},
+    ct::{Ct4Entry, Ct4Key, Sock4RevKey, Sock4RevValue},
     lb4::{
         Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName,
         Lb4SourceRangeData,
@@ -51,3 +51,8 @@ pub static SERVICE_STATS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(l
 #[map(name = "LB4_SERVICE_NAMES_V1")]
 pub static SERVICE_NAMES: HashMap<u32, Lb4ServiceName> =
     HashMap::with_max_entries(limits::MAX_SERVICES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
+
+/// Connect-time translations: socket cookie + backend → Service address.
+#[map(name = "SOCK4_REVNAT_V1")]
+pub static SOCK_REVNAT: LruHashMap<Sock4RevKey, Sock4RevValue> =
+    LruHashMap::with_max_entries(limits::SOCK_REVNAT_ENTRIES, 0);

@@ -119,6 +119,10 @@ impl Cluster {
             "1024",
             "--conntrack-entries",
             "16384",
+            // `ip netns exec` hides /sys/fs/cgroup; connect-time translation is
+            // tested in-process (tests/east_west.rs).
+            "--cgroup-path",
+            "none",
         ]
         .iter()
         .map(|s| s.to_string())

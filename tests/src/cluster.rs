@@ -48,6 +48,9 @@ pub struct Host {
 pub struct Node {
     pub name: String,
     pub host: Host,
+    /// The node's own processes for connect-time translation (a dedicated
+    /// cgroup: never the root one).
+    pub cgroup: crate::cgroup::CgroupDir,
     pub index: usize,
     next_pod: u8,
 }
@@ -126,6 +129,7 @@ impl Cluster {
                         .sysctl(&format!("net/ipv4/conf/{key}/send_redirects"), "0");
                 }
                 Node {
+                    cgroup: crate::cgroup::CgroupDir::new(&format!("{prefix}-{name}")),
                     name,
                     host,
                     index,

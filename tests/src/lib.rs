@@ -9,6 +9,7 @@
 
 pub mod agent;
 pub mod bpffs;
+pub mod cgroup;
 pub mod cluster;
 pub mod echo;
 pub mod fake_api;
@@ -86,6 +87,13 @@ fn remove_matching(matches: impl Fn(&str) -> bool) {
         for entry in dir.flatten() {
             if entry.file_name().to_str().is_some_and(&matches) {
                 let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    if let Ok(dir) = std::fs::read_dir(cgroup::cgroup2_root()) {
+        for entry in dir.flatten() {
+            if entry.file_name().to_str().is_some_and(&matches) {
+                let _ = std::fs::remove_dir(entry.path());
             }
         }
     }

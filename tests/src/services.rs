@@ -183,6 +183,9 @@ impl Cluster {
         };
         let mut datapath = Datapath::load_with(&opts).expect("load the datapath");
         let n = &self.nodes[node];
+        datapath
+            .attach_cgroup(n.cgroup.path())
+            .expect("attach the connect-time programs to the node's cgroup");
         let pod_veths: Vec<String> = self
             .pods
             .iter()

@@ -68,14 +68,18 @@ impl Sandbox {
         }
     }
 
-    fn from_pod(&self, pod: &str, dst: SocketAddrV4) -> std::io::Result<dataplane_tests::echo::EchoReply> {
+    fn request_from(
+        &self,
+        pod: &str,
+        dst: SocketAddrV4,
+    ) -> std::io::Result<dataplane_tests::echo::EchoReply> {
         tcp_request(&self.cluster.pod(pod).ns, dst, "x")
     }
 
     fn seen(&self, pod: &str, dst: SocketAddrV4, n: usize) -> BTreeSet<String> {
         (0..n)
             .map(|i| {
-                self.from_pod(pod, dst)
+                self.request_from(pod, dst)
                     .unwrap_or_else(|e| panic!("request {i} from {pod} to {dst}: {e}; {}", self.report()))
                     .server
             })
@@ -108,7 +112,7 @@ fn pod_reaches_cluster_ip_with_local_and_remote_backends_without_snat() {
     let mut seen = BTreeSet::new();
     for i in 0..30 {
         let r = s
-            .from_pod("client", dst)
+            .request_from("client", dst)
             .unwrap_or_else(|e| panic!("request {i}: {e}; {}", s.report()));
         assert_eq!(
             *r.peer.ip(),
@@ -155,7 +159,7 @@ fn hairpin_a_pod_reaches_itself_through_its_service() {
     let svc = s.svc(1, &["a"]);
     s.program(&[&svc]);
     let r = s
-        .from_pod("a", SocketAddrV4::new(CIP, 80))
+        .request_from("a", SocketAddrV4::new(CIP, 80))
         .unwrap_or_else(|e| panic!("hairpin: {e}; {}", s.report()));
     assert_eq!(r.server, "a");
     assert_eq!(
@@ -179,7 +183,7 @@ fn internal_traffic_policy_local_uses_local_endpoints_and_drops_without() {
     let svc = s.svc(1, &["b", "c"]).internal_local();
     s.program(&[&svc]);
     let err = s
-        .from_pod("client", SocketAddrV4::new(CIP, 80))
+        .request_from("client", SocketAddrV4::new(CIP, 80))
         .expect_err("no local endpoint");
     assert_eq!(err.kind(), ErrorKind::TimedOut, "dropped: {err}");
     assert!(
@@ -235,4 +239,64 @@ fn udp_queries_follow_the_backend_when_it_moves() {
             .unwrap_or_else(|e| panic!("query {i} after the move: {e}; {}", s.report()));
         assert_eq!(r.server, "c", "query {i} went to the old backend");
     }
+}
+
+/// Runs the `sockclient` helper as a host process of `node` (in its network
+/// namespace and its cgroup): (peer its socket reports, reply) or the error.
+fn host_client(s: &Sandbox, node: usize, mode: &str, dst: SocketAddrV4) -> Result<(String, String), String> {
+    let n = &s.cluster.nodes[node];
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sockclient"))
+        .arg(n.ns().path())
+        .arg(n.cgroup.procs())
+        .args([mode, &dst.to_string()])
+        .output()
+        .expect("run sockclient");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).map(str::to_owned);
+    match (field("peer="), field("reply=")) {
+        (Some(p), Some(r)) => Ok((p, r)),
+        _ => {
+            Err(field("error=").unwrap_or_else(|| format!("{text}{}", String::from_utf8_lossy(&out.stderr))))
+        }
+    }
+}
+
+#[test]
+fn host_processes_reach_services_at_connect_time_and_see_the_service_address() {
+    let mut s = Sandbox::new();
+    let tcp = s.svc(1, &["a", "b"]);
+    let udp = TestService::new(2, "dns", Protocol::Udp, 53)
+        .cluster_ip(CIP)
+        .endpoint(s.ep("a", UDP_PORT))
+        .endpoint(s.ep("b", UDP_PORT));
+    s.program(&[&tcp, &udp]);
+    for (mode, port) in [("tcp", 80), ("udp-connected", 53), ("udp-unconnected", 53)] {
+        let mut servers = BTreeSet::new();
+        for i in 0..12 {
+            let (peer, reply) = host_client(&s, 0, mode, SocketAddrV4::new(CIP, port))
+                .unwrap_or_else(|e| panic!("{mode} {i}: {e}; {}", s.report()));
+            assert_eq!(
+                peer,
+                format!("{CIP}:{port}"),
+                "{mode}: the socket shows the Service address"
+            );
+            servers.insert(reply.split(' ').next().unwrap().to_owned());
+        }
+        assert_eq!(servers, set(&["a", "b"]), "{mode}: local and remote backends");
+    }
+    assert!(
+        s.nodes[0]
+            .datapath
+            .maps()
+            .hook_counter(dataplane_common::stats::Hook::Socket, Event::NewFlow)
+            .unwrap()
+            .packets
+            >= 36
+    );
+
+    // No endpoints: an immediate ECONNREFUSED, as the ICMP reject gives.
+    let empty = TestService::new(3, "empty", Protocol::Tcp, 81).cluster_ip(CIP);
+    s.program(&[&tcp, &udp, &empty]);
+    let err = host_client(&s, 0, "tcp", SocketAddrV4::new(CIP, 81)).expect_err("no endpoints");
+    assert_eq!(err, "ConnectionRefused");
 }

@@ -83,6 +83,8 @@ pub struct ConfigFile {
     pub max_services: Option<u32>,
     pub max_backends: Option<u32>,
     pub conntrack_entries: Option<u32>,
+    pub cgroup_path: Option<String>,
+    pub socket_lb_host_only: Option<bool>,
 }
 
 /// Everything `run` needs, resolved.
@@ -106,6 +108,22 @@ pub struct RunConfig {
     pub max_services: u32,
     pub max_backends: u32,
     pub conntrack_entries: u32,
+    /// cgroup v2 directory for connect-time translation of the node's own
+    /// processes; `None`: off.
+    pub cgroup_path: Option<PathBuf>,
+    pub socket_lb_host_only: bool,
+}
+
+/// The cgroup v2 mount point (the root cgroup of the node's processes).
+pub fn cgroup2_root() -> Option<PathBuf> {
+    std::fs::read_to_string("/proc/mounts")
+        .ok()?
+        .lines()
+        .find_map(|l| {
+            let mut f = l.split_whitespace().skip(1);
+            let (path, fstype) = (f.next()?, f.next()?);
+            (fstype == "cgroup2").then(|| PathBuf::from(path))
+        })
 }
 
 /// Default pod-facing interface patterns: the host ends of common CNIs.

@@ -46,6 +46,7 @@ pub fn datapath_config(cfg: &RunConfig) -> DatapathConfig {
     c.cluster_cidr = cfg.cluster_cidr;
     c.service_cidrs = cfg.service_cidrs.clone();
     c.masquerade_all = cfg.masquerade_all;
+    c.socket_lb_host_only = cfg.socket_lb_host_only;
     c
 }
 
@@ -183,6 +184,15 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<()> {
             .attach_external(dev)
             .with_context(|| format!("attaching to external device {dev}"))?;
         info!(device = %dev, replaced = how == Attached::Replaced, "attached xdp_ingress and tc_egress");
+    }
+    if let Some(cgroup) = &cfg.cgroup_path {
+        let how = dp.attach_cgroup(cgroup).with_context(|| {
+            format!(
+                "attaching connect-time translation to cgroup {}",
+                cgroup.display()
+            )
+        })?;
+        info!(cgroup = %cgroup.display(), replaced = how == Attached::Replaced, host_only = cfg.socket_lb_host_only, "attached connect-time translation");
     }
     let mut pod_interfaces = BTreeMap::<String, ()>::new();
     attach_pod_interfaces(&mut dp, &cfg, &mut pod_interfaces);

@@ -74,6 +74,16 @@ pub struct RunArgs {
     pub max_backends: Option<u32>,
     #[arg(long)]
     pub conntrack_entries: Option<u32>,
+    /// cgroup v2 directory whose processes get connect-time translation
+    /// (host-network pods, node daemons): the cgroup2 mount by default,
+    /// `none` to turn it off.
+    #[arg(long)]
+    pub cgroup_path: Option<String>,
+    /// Connect-time translation only for sockets in the node's network
+    /// namespace; pods keep per-packet translation (for service meshes that
+    /// redirect per packet).
+    #[arg(long)]
+    pub socket_lb_host_only: bool,
 }
 
 pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
@@ -197,6 +207,12 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
                 .conntrack_entries
                 .or(file.conntrack_entries)
                 .unwrap_or(limits::CT_ENTRIES),
+            cgroup_path: match args.cgroup_path.or(file.cgroup_path).as_deref() {
+                Some("none") | Some("") => None,
+                Some(p) => Some(PathBuf::from(p)),
+                None => agent::config::cgroup2_root(),
+            },
+            socket_lb_host_only: args.socket_lb_host_only || file.socket_lb_host_only.unwrap_or(false),
         },
         log_format,
     ))

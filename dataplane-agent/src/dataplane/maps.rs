@@ -37,6 +37,35 @@ pub struct DatapathConfig {
     pub ct_tcp_timeout: Duration,
     pub ct_tcp_close_timeout: Duration,
     pub ct_udp_timeout: Duration,
+    /// Connect-time translation only for sockets in this network namespace
+    /// (the node's); pods keep per-packet translation.
+    pub socket_lb_host_only: bool,
+    /// The node's network namespace cookie (this process's, by default).
+    pub host_netns_cookie: u64,
+}
+
+/// Cookie of the calling thread's network namespace (SO_NETNS_COOKIE,
+/// Linux 5.14); 0 when unknown.
+pub fn current_netns_cookie() -> u64 {
+    const SO_NETNS_COOKIE: i32 = 71;
+    // SAFETY: a throwaway socket and a getsockopt into a local u64.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM, 0);
+        if fd < 0 {
+            return 0;
+        }
+        let mut cookie: u64 = 0;
+        let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+        let rc = libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            SO_NETNS_COOKIE,
+            (&mut cookie as *mut u64).cast(),
+            &mut len,
+        );
+        libc::close(fd);
+        if rc == 0 { cookie } else { 0 }
+    }
 }
 
 impl DatapathConfig {
@@ -50,6 +79,8 @@ impl DatapathConfig {
             ct_tcp_timeout: Duration::from_secs(DpConfig::DEFAULT_TCP_TIMEOUT_S as u64),
             ct_tcp_close_timeout: Duration::from_secs(DpConfig::DEFAULT_TCP_CLOSE_TIMEOUT_S as u64),
             ct_udp_timeout: Duration::from_secs(DpConfig::DEFAULT_UDP_TIMEOUT_S as u64),
+            socket_lb_host_only: false,
+            host_netns_cookie: current_netns_cookie(),
         }
     }
 
@@ -75,13 +106,16 @@ impl DatapathConfig {
             *slot = cidr(c);
         }
         let secs = |d: Duration| d.as_secs().clamp(1, u32::MAX as u64) as u32;
+        let mut flags = config_flags::CONFIGURED;
+        if self.masquerade_all {
+            flags |= config_flags::MASQUERADE_ALL;
+        }
+        if self.socket_lb_host_only {
+            flags |= config_flags::SOCKET_LB_HOST_ONLY;
+        }
         Ok(DpConfig {
-            flags: config_flags::CONFIGURED
-                | if self.masquerade_all {
-                    config_flags::MASQUERADE_ALL
-                } else {
-                    0
-                },
+            flags,
+            host_netns_cookie: self.host_netns_cookie,
             snat_ip: be32(self.snat_ip),
             cluster_cidr: self.cluster_cidr.as_ref().map(cidr).unwrap_or_default(),
             service_cidrs,
@@ -254,6 +288,9 @@ pub struct LbMaps {
     pub(super) counters: PerCpuArray<MapData, Counter>,
     pub(super) service_stats: PerCpuArray<MapData, Counter>,
     pub(super) service_names: Map<u32, Lb4ServiceName>,
+    /// Kept so the map stays owned (and pinned) with the others.
+    #[allow(dead_code)]
+    pub(super) sock_revnat: Map<dataplane_common::ct::Sock4RevKey, dataplane_common::ct::Sock4RevValue>,
     pub(super) max_services: u32,
     pub(super) max_backends: u32,
     pub(super) ct_capacity: u32,

@@ -15,7 +15,7 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, MapError, PerCpuArray},
     programs::{
-        ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
         links::{FdLink, PinnedLink},
         tc::SchedClassifierLink,
         xdp::XdpLink,
@@ -156,6 +156,11 @@ impl Datapath {
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
         }
+        for name in SOCK_PROGRAMS {
+            program::<CgroupSockAddr>(&mut ebpf, name)?
+                .load()
+                .map_err(|source| DatapathError::Program { name, source })?;
+        }
         let maps = LbMaps {
             config: take(&mut ebpf, names::CONFIG, Array::try_from)?,
             services: take(&mut ebpf, names::LB4_SERVICES, HashMap::try_from)?,
@@ -166,6 +171,7 @@ impl Datapath {
             counters: take(&mut ebpf, names::COUNTERS, PerCpuArray::try_from)?,
             service_stats: take(&mut ebpf, names::SERVICE_STATS, PerCpuArray::try_from)?,
             service_names: take(&mut ebpf, names::LB4_SERVICE_NAMES, HashMap::try_from)?,
+            sock_revnat: take(&mut ebpf, names::SOCK4_REVNAT, HashMap::try_from)?,
             max_services: opts.max_services,
             max_backends: opts.max_backends,
             ct_capacity: opts.ct_entries,
@@ -195,6 +201,49 @@ impl Datapath {
         let a = self.attach_tc(names::TC_POD_INGRESS, TcAttachType::Ingress, device)?;
         self.attach_tc(names::TC_EGRESS, TcAttachType::Egress, device)?;
         Ok(a)
+    }
+
+    /// Attaches the connect-time programs (connect4, sendmsg4, recvmsg4,
+    /// getpeername4) to the cgroup v2 directory `cgroup`: the node's own
+    /// processes in it reach Services without per-packet translation.
+    /// Pinned, a new attachment replaces the old one without a gap (both run
+    /// for an instant; the second sees an already translated address).
+    pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<Attached, DatapathError> {
+        let dir = std::fs::File::open(cgroup).map_err(|e| {
+            DatapathError::Invalid(format!(
+                "cannot open cgroup {}: {e} (a cgroup v2 directory)",
+                cgroup.display()
+            ))
+        })?;
+        let tag = cgroup.display().to_string().replace('/', "_");
+        let mut how = Attached::New;
+        for name in SOCK_PROGRAMS {
+            let attach_err = |source| DatapathError::Attach {
+                name,
+                device: cgroup.display().to_string(),
+                source,
+            };
+            let prog = program::<CgroupSockAddr>(&mut self.ebpf, name)?;
+            // bpf_link attachments to a cgroup are always "multi"; the flag must be 0.
+            let id = prog.attach(&dir, CgroupAttachMode::Single).map_err(attach_err)?;
+            let Some(pins) = &self.pins else { continue };
+            let link: FdLink = prog
+                .take_link(id)
+                .map_err(attach_err)?
+                .try_into()
+                .map_err(|e| DatapathError::Invalid(format!("cgroup link is not a bpf_link: {e}")))?;
+            let path = pins.link(name, &tag);
+            let fresh = path.with_extension("new");
+            let _ = std::fs::remove_file(&fresh);
+            pin_link(link, &fresh)?;
+            if path.exists() {
+                how = Attached::Replaced;
+            }
+            // Atomically replaces the old pin: the old link goes with it.
+            std::fs::rename(&fresh, &path)
+                .map_err(|e| DatapathError::Invalid(format!("cannot replace pin {}: {e}", path.display())))?;
+        }
+        Ok(how)
     }
 
     fn attach_xdp(&mut self, name: &'static str, device: &str) -> Result<Attached, DatapathError> {
@@ -304,6 +353,14 @@ where
         .try_into()
         .map_err(|source| DatapathError::Program { name, source })
 }
+
+/// The connect-time programs.
+const SOCK_PROGRAMS: [&str; 4] = [
+    names::SOCK_CONNECT4,
+    names::SOCK_SENDMSG4,
+    names::SOCK_RECVMSG4,
+    names::SOCK_GETPEERNAME4,
+];
 
 /// The link pinned at `path`, if there is one of the right type.
 fn pinned_link<L: TryFrom<FdLink>>(path: &Path) -> Option<L> {

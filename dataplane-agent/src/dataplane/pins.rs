@@ -11,7 +11,7 @@ use std::{
 use aya::maps::MapData;
 use dataplane_common::{
     config::DpConfig,
-    ct::{Ct4Entry, Ct4Key},
+    ct::{Ct4Entry, Ct4Key, Sock4RevKey, Sock4RevValue},
     lb4::{Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName},
     names,
     stats::Counter,
@@ -35,6 +35,7 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         names::CT4 => s(size_of::<Ct4Key>(), size_of::<Ct4Entry>()),
         names::COUNTERS | names::SERVICE_STATS => s(4, size_of::<Counter>()),
         names::LB4_SERVICE_NAMES => s(4, size_of::<Lb4ServiceName>()),
+        names::SOCK4_REVNAT => s(size_of::<Sock4RevKey>(), size_of::<Sock4RevValue>()),
         _ => None,
     }
 }
