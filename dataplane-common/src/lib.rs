@@ -59,6 +59,8 @@ pub mod names {
     /// Parse and pass: the benchmarks' floor, and a pass-through for veth
     /// peers (which receive XDP_TX frames only when they run XDP).
     pub const XDP_FLOOR: &str = "xdp_floor";
+    /// The TC floor of the benchmarks.
+    pub const TC_FLOOR: &str = "tc_floor";
     /// TC egress on external devices and pod-facing host interfaces:
     /// source rewrites (SNAT; the frontend address on replies).
     pub const TC_EGRESS: &str = "tc_egress";

@@ -46,6 +46,16 @@ pub fn xdp_floor(ctx: XdpContext) -> u32 {
     }
 }
 
+/// The TC twin of `xdp_floor`: parses and lets the packet go; the floor of
+/// the TC benchmarks.
+#[classifier]
+pub fn tc_floor(ctx: TcContext) -> i32 {
+    match packet::parse(&ctx) {
+        packet::Parsed::Ipv4(p) if p.tuple.proto == 0xff => aya_ebpf::bindings::TC_ACT_SHOT,
+        _ => aya_ebpf::bindings::TC_ACT_OK,
+    }
+}
+
 /// Packets leaving through an external device or towards a pod: SNAT, and
 /// the frontend address restored on replies.
 #[classifier]

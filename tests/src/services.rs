@@ -181,7 +181,12 @@ impl Cluster {
             ct_entries: 8192,
             affinity_entries: 1024,
         };
-        let mut datapath = Datapath::load_with(&opts).expect("load the datapath");
+        self.start_datapath_with(node, &opts)
+    }
+
+    /// As [`Cluster::start_datapath`], with chosen map sizes.
+    pub fn start_datapath_with(&self, node: usize, opts: &LoadOptions) -> NodeDatapath {
+        let mut datapath = Datapath::load_with(opts).expect("load the datapath");
         let n = &self.nodes[node];
         datapath
             .attach_cgroup(n.cgroup.path())

@@ -291,3 +291,20 @@ fn kill_9_under_traffic_loses_no_connection() {
     );
     let _ = Ipv4Addr::LOCALHOST;
 }
+
+#[test]
+fn pods_that_appear_after_the_agent_started_reach_services() {
+    let mut s = Sandbox::new(|c| node_port_service(c, "", &["a", "b"]));
+    // The CNI creates a pod (and its host interface) while the agent runs.
+    s.cluster.add_pod(0, "late");
+    let late = s.cluster.pod("late");
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+    s.eventually("the new pod reaches the ClusterIP", || {
+        tcp_request(&late.ns, cluster_ip, "x").is_ok()
+    });
+    assert!(
+        s.agents[0].log_text().contains("attached to pod interface"),
+        "{}",
+        s.logs()
+    );
+}

@@ -18,6 +18,8 @@ pub struct HealthState {
     pub node_eligible: bool,
     /// (namespace, name) → local ready endpoints.
     pub local_endpoints: BTreeMap<(String, String), usize>,
+    /// (namespace, name) → healthCheckNodePort being served.
+    pub ports: BTreeMap<(String, String), u16>,
 }
 
 pub type SharedHealth = Arc<Mutex<HealthState>>;
@@ -79,6 +81,23 @@ pub fn proxy_server(addr: &str, state: SharedHealth, sync_period: Duration) -> s
                 let (ok, body) = proxy_health(&state, sync_period, path.starts_with("/healthz"));
                 Response::json(if ok { 200 } else { 503 }, body)
             }
+            // For `dataplane-agent inspect health`: every healthCheckNodePort
+            // server and what it answers now.
+            "/debug/healthchecks" => {
+                let list: Vec<String> = state
+                    .ports
+                    .iter()
+                    .map(|((ns, name), port)| {
+                        let r = service_health(&state, sync_period, ns, name);
+                        let n = state.local_endpoints.get(&(ns.clone(), name.clone())).copied().unwrap_or(0);
+                        format!(
+                            "{{\"namespace\":\"{ns}\",\"name\":\"{name}\",\"port\":{port},\"localEndpoints\":{n},\"status\":{}}}",
+                            r.status
+                        )
+                    })
+                    .collect();
+                Response::json(200, format!("[{}]", list.join(",")))
+            }
             _ => Response::json(404, "{}".into()),
         }
     });
@@ -121,6 +140,13 @@ impl ServiceHealthServers {
     /// Makes the running servers match `checks`; returns the ones that could
     /// not be bound (Service, port, error).
     pub fn update(&mut self, checks: &[HealthCheck]) -> Vec<(String, u16, std::io::Error)> {
+        let failed = self.open(checks);
+        let mut state = self.state.lock().expect("health state");
+        state.ports = self.servers.iter().map(|(k, (p, _))| (k.clone(), *p)).collect();
+        failed
+    }
+
+    fn open(&mut self, checks: &[HealthCheck]) -> Vec<(String, u16, std::io::Error)> {
         {
             let mut state = self.state.lock().expect("health state");
             state.local_endpoints = checks

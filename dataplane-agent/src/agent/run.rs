@@ -27,7 +27,8 @@ use crate::{
 };
 use dataplane_common::stats::{Event, Hook};
 
-/// How often interfaces are rescanned and counters exported.
+/// How often interfaces are rescanned (besides link notifications) and
+/// counters exported.
 const HOUSEKEEPING: Duration = Duration::from_secs(1);
 
 pub fn load_options(cfg: &RunConfig) -> LoadOptions {
@@ -195,6 +196,9 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<()> {
         info!(cgroup = %cgroup.display(), replaced = how == Attached::Replaced, host_only = cfg.socket_lb_host_only, "attached connect-time translation");
     }
     let mut pod_interfaces = BTreeMap::<String, ()>::new();
+    let links = interfaces::LinkWatch::open()
+        .map_err(|e| warn!(error = %e, "no link notifications; pod interfaces are found by rescanning every second"))
+        .ok();
     attach_pod_interfaces(&mut dp, &cfg, &mut pod_interfaces);
     if let Some(pins) = dp.pins() {
         for m in pins.remove_foreign_maps() {
@@ -270,6 +274,9 @@ pub fn run(cfg: RunConfig) -> anyhow::Result<()> {
             );
             dirty = false;
             last_sync = Some(Instant::now());
+        }
+        if links.as_ref().is_some_and(|l| l.changed()) {
+            attach_pod_interfaces(&mut dp, &cfg, &mut pod_interfaces);
         }
         if last_housekeeping.elapsed() >= HOUSEKEEPING {
             attach_pod_interfaces(&mut dp, &cfg, &mut pod_interfaces);

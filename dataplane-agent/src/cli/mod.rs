@@ -2,7 +2,9 @@
 //! `dataplane-agent` binary is `cli::main`.
 pub mod check;
 pub mod cleanup;
+pub mod inspect;
 pub mod run;
+pub mod trace;
 
 use clap::{Parser, Subcommand};
 
@@ -25,6 +27,7 @@ enum Command {
     ///   ip netns exec node1 dataplane-agent run --node-name node1 --node-ip 198.18.0.11 \
     ///     --devices eth0 --bpffs-dir /sys/fs/bpf/node1 --source manifests:/etc/dataplane/services \
     ///     --cluster-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/16
+    #[command(verbatim_doc_comment)]
     Run(Box<run::RunArgs>),
     /// Check that this kernel and these privileges can load the datapath.
     ///
@@ -38,6 +41,24 @@ enum Command {
     ///
     /// Example: dataplane-agent cleanup --bpffs-dir /sys/fs/bpf/dataplane
     Cleanup(cleanup::CleanupArgs),
+    /// Show what a running (or stopped) agent's pinned maps hold.
+    ///
+    /// Examples:
+    ///   dataplane-agent inspect services
+    ///   dataplane-agent inspect conntrack --address 10.96.0.10 -o json
+    ///   dataplane-agent inspect --bpffs-dir /sys/fs/bpf/node1 stats
+    #[command(verbatim_doc_comment)]
+    Inspect(inspect::InspectArgs),
+    /// Run one packet through the real programs and say what happens to it.
+    ///
+    /// A private copy of the datapath (nothing attached, no live map touched)
+    /// is programmed from the manifests exactly as `run` programs it.
+    ///
+    /// Example:
+    ///   dataplane-agent trace --manifests services.yaml --node-name node1 --node-ip 198.18.0.11 \
+    ///     --cluster-cidr 10.244.0.0/16 --from external --src 203.0.113.7 --dst 198.18.0.11:30080 --proto tcp
+    #[command(verbatim_doc_comment)]
+    Trace(Box<trace::TraceArgs>),
 }
 
 /// Parses the command line and runs the verb.
@@ -46,5 +67,7 @@ pub fn main() -> anyhow::Result<()> {
         Command::Run(args) => run::run(*args),
         Command::Check => check::run(),
         Command::Cleanup(args) => cleanup::run(&args),
+        Command::Inspect(args) => inspect::run(&args),
+        Command::Trace(args) => trace::run(*args),
     }
 }

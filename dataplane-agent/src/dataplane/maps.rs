@@ -288,8 +288,6 @@ pub struct LbMaps {
     pub(super) counters: PerCpuArray<MapData, Counter>,
     pub(super) service_stats: PerCpuArray<MapData, Counter>,
     pub(super) service_names: Map<u32, Lb4ServiceName>,
-    /// Kept so the map stays owned (and pinned) with the others.
-    #[allow(dead_code)]
     pub(super) sock_revnat: Map<dataplane_common::ct::Sock4RevKey, dataplane_common::ct::Sock4RevValue>,
     pub(super) max_services: u32,
     pub(super) max_backends: u32,
@@ -730,6 +728,21 @@ impl LbMaps {
             (self.affinity.keys().count() as u64, self.affinity_capacity as u64),
         );
         out
+    }
+
+    /// Backends chosen at connect() time, as the connect-time programs
+    /// recorded them.
+    pub fn sock_translations(&self) -> Result<Vec<std::net::SocketAddrV4>, DatapathError> {
+        self.sock_revnat
+            .keys()
+            .map(|k| {
+                let k = k.map_err(err(names::SOCK4_REVNAT))?;
+                Ok(std::net::SocketAddrV4::new(
+                    Ipv4Addr::from(u32::from_be(k.addr)),
+                    u16::from_be(k.port),
+                ))
+            })
+            .collect()
     }
 
     /// Records who a service id belongs to.

@@ -151,7 +151,7 @@ impl Datapath {
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
         }
-        for name in [names::TC_EGRESS, names::TC_POD_INGRESS] {
+        for name in [names::TC_EGRESS, names::TC_POD_INGRESS, names::TC_FLOOR] {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
@@ -320,7 +320,8 @@ impl Datapath {
         program_ref(&self.ebpf, name)
     }
 
-    /// A TC program by name ([`names::TC_EGRESS`], [`names::TC_POD_INGRESS`]).
+    /// A TC program by name ([`names::TC_EGRESS`], [`names::TC_POD_INGRESS`],
+    /// [`names::TC_FLOOR`]).
     pub fn tc(&self, name: &'static str) -> Result<&SchedClassifier, DatapathError> {
         program_ref(&self.ebpf, name)
     }
@@ -361,6 +362,98 @@ const SOCK_PROGRAMS: [&str; 4] = [
     names::SOCK_RECVMSG4,
     names::SOCK_GETPEERNAME4,
 ];
+
+impl LbMaps {
+    /// Opens a running (or stopped) agent's pinned maps, without loading
+    /// any program: what `inspect` reads. Nothing is written through it.
+    pub fn open_pins(dir: &Path) -> Result<Self, DatapathError> {
+        use aya::maps::{Map, MapData};
+        let pins = PinDir::create(dir)?;
+        if !pins.map(names::LB4_SERVICES).exists() {
+            return Err(DatapathError::Invalid(format!(
+                "no pinned maps under {}: is the agent's --bpffs-dir another one?",
+                dir.display()
+            )));
+        }
+        pins.check_layouts()?;
+        let open = |name: &'static str, wrap: fn(MapData) -> Map| -> Result<(Map, u32), DatapathError> {
+            let data =
+                MapData::from_pin(pins.map(name)).map_err(|source| DatapathError::Map { name, source })?;
+            let max = data
+                .info()
+                .map_err(|source| DatapathError::Map { name, source })?
+                .max_entries();
+            Ok((wrap(data), max))
+        };
+        fn typed<T>(
+            name: &'static str,
+            m: (Map, u32),
+            f: impl FnOnce(Map) -> Result<T, MapError>,
+        ) -> Result<(T, u32), DatapathError> {
+            let (map, max) = m;
+            Ok((f(map).map_err(|source| DatapathError::Map { name, source })?, max))
+        }
+        let (config, _) = typed(names::CONFIG, open(names::CONFIG, Map::Array)?, Array::try_from)?;
+        let (services, service_entries_capacity) = typed(
+            names::LB4_SERVICES,
+            open(names::LB4_SERVICES, Map::HashMap)?,
+            HashMap::try_from,
+        )?;
+        let (backends, max_backends) = typed(
+            names::LB4_BACKENDS,
+            open(names::LB4_BACKENDS, Map::Array)?,
+            Array::try_from,
+        )?;
+        let (affinity, affinity_capacity) = typed(
+            names::LB4_AFFINITY,
+            open(names::LB4_AFFINITY, Map::LruHashMap)?,
+            HashMap::try_from,
+        )?;
+        let (source_ranges, _) = typed(
+            names::LB4_SOURCE_RANGES,
+            open(names::LB4_SOURCE_RANGES, Map::LpmTrie)?,
+            LpmTrie::try_from,
+        )?;
+        let (ct, ct_capacity) = typed(names::CT4, open(names::CT4, Map::LruHashMap)?, HashMap::try_from)?;
+        let (counters, _) = typed(
+            names::COUNTERS,
+            open(names::COUNTERS, Map::PerCpuArray)?,
+            PerCpuArray::try_from,
+        )?;
+        let (service_stats, max_services) = typed(
+            names::SERVICE_STATS,
+            open(names::SERVICE_STATS, Map::PerCpuArray)?,
+            PerCpuArray::try_from,
+        )?;
+        let (service_names, _) = typed(
+            names::LB4_SERVICE_NAMES,
+            open(names::LB4_SERVICE_NAMES, Map::HashMap)?,
+            HashMap::try_from,
+        )?;
+        let (sock_revnat, _) = typed(
+            names::SOCK4_REVNAT,
+            open(names::SOCK4_REVNAT, Map::LruHashMap)?,
+            HashMap::try_from,
+        )?;
+        Ok(LbMaps {
+            config,
+            services,
+            backends,
+            affinity,
+            source_ranges,
+            ct,
+            counters,
+            service_stats,
+            service_names,
+            sock_revnat,
+            max_services,
+            max_backends,
+            ct_capacity,
+            service_entries_capacity,
+            affinity_capacity,
+        })
+    }
+}
 
 /// The link pinned at `path`, if there is one of the right type.
 fn pinned_link<L: TryFrom<FdLink>>(path: &Path) -> Option<L> {

@@ -32,6 +32,9 @@ use dataplane_tests::{
 
 const NODE: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
+const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 20);
+const EW_IDENTITY: Ipv4Addr = Ipv4Addr::new(10, 95, 0, 1);
+const EW_NEW: Ipv4Addr = Ipv4Addr::new(10, 95, 0, 2);
 const ROUNDS: usize = 5;
 const REPEAT: u32 = 200_000;
 const NEW_FLOWS_PER_ROUND: u16 = 3_000;
@@ -47,8 +50,16 @@ fn main() {
         eprintln!("bench: {n} services: programming the maps");
         rows.push(measure(n));
     }
+    let connect: Vec<ConnectRow> = [1, *sizes.last().unwrap()]
+        .into_iter()
+        .map(|n| {
+            eprintln!("bench: connect-time translation with {n} services");
+            measure_connect(n)
+        })
+        .collect();
     let machine = machine();
-    let md = render(&machine, &rows);
+    let mut md = render(&machine, &rows);
+    render_connect(&mut md, &connect);
     print!("{md}");
     let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
     std::fs::write(out.join("benchmarks.md"), &md).expect("write docs/benchmarks.md");
@@ -64,6 +75,10 @@ struct Row {
     non_service: Stat,
     established: Stat,
     new_flow: Stat,
+    tc_floor: Stat,
+    tc_floor_single: Stat,
+    ew_established: Stat,
+    ew_new_flow: Stat,
 }
 
 #[derive(Clone, Copy)]
@@ -109,6 +124,19 @@ fn measure(n: u32) -> Row {
             .endpoint(TestEndpoint::ready(Ipv4Addr::new(10, 128, 0, 1), 8080, 1))
             .endpoint(TestEndpoint::ready(Ipv4Addr::new(10, 128, 0, 2), 8080, 1)),
     ];
+    // East-west: a ClusterIP whose endpoint is the ClusterIP itself (identity
+    // DNAT, for repeat runs), and one with two pod endpoints (new flows).
+    services.push(
+        TestService::new(n + 1, "ew-established", Protocol::Tcp, 80)
+            .cluster_ip(EW_IDENTITY)
+            .endpoint(TestEndpoint::ready(EW_IDENTITY, 80, 0)),
+    );
+    services.push(
+        TestService::new(n + 2, "ew-new", Protocol::Tcp, 80)
+            .cluster_ip(EW_NEW)
+            .endpoint(TestEndpoint::ready(Ipv4Addr::new(10, 128, 1, 1), 8080, 1))
+            .endpoint(TestEndpoint::ready(Ipv4Addr::new(10, 128, 1, 2), 8080, 1)),
+    );
     for i in 2..n.max(2) {
         let ip = |base: u32| Ipv4Addr::from(base + i);
         services.push(
@@ -155,6 +183,16 @@ fn measure(n: u32) -> Row {
     // Create the established flow's conntrack entries.
     run(ingress, &established, 1);
 
+    let tc_floor = dp.tc(dataplane_common::names::TC_FLOOR).unwrap();
+    let pod_in = dp.tc(dataplane_common::names::TC_POD_INGRESS).unwrap();
+    let ew_established = Frame::tcp(
+        SocketAddrV4::new(POD, 40000),
+        SocketAddrV4::new(EW_IDENTITY, 80),
+        TCP_ACK,
+    )
+    .build();
+    run_tc(pod_in, &ew_established, 1);
+    let (mut tf, mut te, mut tfs, mut tn) = (vec![], vec![], vec![], vec![]);
     let (mut fr, mut fs, mut ns, mut es, mut nf) = (vec![], vec![], vec![], vec![], vec![]);
     let mut next_port: u16 = 1024;
     for _ in 0..ROUNDS {
@@ -176,6 +214,23 @@ fn measure(n: u32) -> Row {
         }
         fs.push(floor_sum / NEW_FLOWS_PER_ROUND as f64);
         nf.push(new_sum / NEW_FLOWS_PER_ROUND as f64);
+        // East-west (TC on the pod's interface), its own floor.
+        tf.push(run_tc(tc_floor, &ew_established, REPEAT));
+        te.push(run_tc(pod_in, &ew_established, REPEAT));
+        let (mut floor_sum, mut new_sum) = (0.0, 0.0);
+        for _ in 0..NEW_FLOWS_PER_ROUND {
+            floor_sum += run_tc(tc_floor, &ew_established, 1);
+            let syn = Frame::tcp(
+                SocketAddrV4::new(POD, next_port),
+                SocketAddrV4::new(EW_NEW, 80),
+                TCP_SYN,
+            )
+            .build();
+            next_port = next_port.wrapping_add(1).max(1024);
+            new_sum += run_tc(pod_in, &syn, 1);
+        }
+        tfs.push(floor_sum / NEW_FLOWS_PER_ROUND as f64);
+        tn.push(new_sum / NEW_FLOWS_PER_ROUND as f64);
     }
     Row {
         services: n,
@@ -185,11 +240,161 @@ fn measure(n: u32) -> Row {
         non_service: stat(ns),
         established: stat(es),
         new_flow: stat(nf),
+        tc_floor: stat(tf),
+        tc_floor_single: stat(tfs),
+        ew_established: stat(te),
+        ew_new_flow: stat(tn),
+    }
+}
+
+struct ConnectRow {
+    services: u32,
+    direct_us: Stat,
+    translated_us: Stat,
+}
+
+const CONNECTS_PER_ROUND: usize = 1500;
+
+/// Per-connect cost of connect-time translation: a host process of a sandbox
+/// node connects (and closes) to a pod directly from outside the node's
+/// cgroup, and to a ClusterIP from inside it (connect4 picks the backend),
+/// interleaved.
+fn measure_connect(n: u32) -> ConnectRow {
+    use dataplane_tests::{cgroup::cgroup2_root, cluster::Cluster};
+    let mut cluster = Cluster::new();
+    cluster.add_pod(0, "a");
+    let pod = cluster.pod("a");
+    // Thousands of short connections: TIME_WAIT sockets would make port
+    // selection and SYN handling the cost measured (see BENCHMARKING.md).
+    for ns in [&pod.ns, cluster.nodes[0].ns()] {
+        ns.sysctl("net/ipv4/tcp_max_tw_buckets", "0");
+    }
+    // An acceptor that only accepts and closes: the figure is the connect.
+    let listener = pod
+        .ns
+        .run(|| std::net::TcpListener::bind(SocketAddrV4::new(pod.ip, 8080)))
+        .expect("bind");
+    std::thread::spawn(move || {
+        for c in listener.incoming() {
+            drop(c);
+        }
+    });
+    let mut node = cluster.start_datapath_with(
+        0,
+        &LoadOptions {
+            max_services: n + 16,
+            max_backends: n + 16,
+            max_service_entries: 4 * n + 64,
+            ct_entries: 65_536,
+            affinity_entries: 1024,
+        },
+    );
+    let cip = Ipv4Addr::new(10, 96, 0, 1);
+    let mut services = vec![
+        TestService::new(0, "web", Protocol::Tcp, 80)
+            .cluster_ip(cip)
+            .endpoint(TestEndpoint::ready(pod.ip, 8080, 0)),
+    ];
+    for i in 1..n {
+        services.push(
+            TestService::new(i, "filler", Protocol::Tcp, 80)
+                .cluster_ip(Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 97, 0, 0)) + i))
+                .endpoint(TestEndpoint::ready(
+                    Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 160, 0, 0)) + i),
+                    8080,
+                    1,
+                )),
+        );
+    }
+    let refs: Vec<&TestService> = services.iter().collect();
+    node.program(&refs);
+    let pid = std::process::id().to_string();
+    let join =
+        |procs: std::path::PathBuf| std::fs::write(&procs, &pid).expect("move the bench into a cgroup");
+    let inside = cluster.nodes[0].cgroup.procs();
+    let outside = cgroup2_root().join("cgroup.procs");
+    let ns = cluster.nodes[0].ns();
+    // Median of the round's individual connects: a few slow ones (the VM
+    // being descheduled) do not move it.
+    let time_connects = |dst: SocketAddrV4| -> f64 {
+        ns.run(|| {
+            let mut us: Vec<f64> = (0..CONNECTS_PER_ROUND)
+                .map(|_| {
+                    let started = Instant::now();
+                    drop(std::net::TcpStream::connect(dst).expect("connect"));
+                    started.elapsed().as_secs_f64() * 1e6
+                })
+                .collect();
+            us.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            us[us.len() / 2]
+        })
+    };
+    let (mut direct, mut translated) = (vec![], vec![]);
+    for _ in 0..ROUNDS {
+        join(outside.clone());
+        direct.push(time_connects(SocketAddrV4::new(pod.ip, 8080)));
+        join(inside.clone());
+        translated.push(time_connects(SocketAddrV4::new(cip, 80)));
+    }
+    join(outside);
+    drop(node);
+    ConnectRow {
+        services: n,
+        direct_us: stat(direct),
+        translated_us: stat(translated),
+    }
+}
+
+fn render_connect(md: &mut String, rows: &[ConnectRow]) {
+    let _ = writeln!(
+        md,
+        "\n## East-west per connect (connect-time translation of host processes)\n"
+    );
+    let _ = writeln!(
+        md,
+        "A host process of a sandbox node opens and closes TCP connections ({CONNECTS_PER_ROUND} per round, \
+         sequential) to a pod on the same node: directly to the pod's IP from outside the node's cgroup, and to a \
+         ClusterIP from inside it, where `sock_connect4` picks the backend; µs per connect (each round's median \
+         connect), median of {ROUNDS} interleaved rounds (min–max); `tcp_max_tw_buckets=0` in both namespaces. Every later packet of such a \
+         connection bypasses translation.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| services | direct to the pod | to the ClusterIP (connect-time) | ratio |"
+    );
+    let _ = writeln!(md, "|---:|---:|---:|---:|");
+    for r in rows {
+        let _ = writeln!(
+            md,
+            "| {} | {:.1} ({:.1}–{:.1}) | {:.1} ({:.1}–{:.1}) | {:.2}× |",
+            r.services,
+            r.direct_us.median,
+            r.direct_us.min,
+            r.direct_us.max,
+            r.translated_us.median,
+            r.translated_us.min,
+            r.translated_us.max,
+            r.translated_us.median / r.direct_us.median
+        );
     }
 }
 
 fn program<'a>(dp: &'a Datapath, name: &'static str) -> &'a Xdp {
     dp.xdp_program(name).expect("program")
+}
+
+/// The same, for a TC program (the kernel builds an skb from the frame).
+fn run_tc(prog: &aya::programs::SchedClassifier, input: &[u8], repeat: u32) -> f64 {
+    let mut out = vec![0u8; input.len() + 256];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            repeat,
+            ..Default::default()
+        })
+        .expect("BPF_PROG_TEST_RUN");
+    r.duration.as_nanos() as f64
 }
 
 /// Average ns per run as the kernel measured it.
@@ -277,6 +482,34 @@ fn render(machine: &str, rows: &[Row]) -> String {
             last.established.median / last.floor_repeat.median,
         );
     }
+    let _ = writeln!(
+        md,
+        "\n## East-west per packet (BPF_PROG_TEST_RUN, `tc_pod_ingress`)\n"
+    );
+    let _ = writeln!(
+        md,
+        "A pod's packets to a ClusterIP, through TC on the pod's host interface. The kernel builds an skb for each \
+         TC test run, so these figures compare with the TC floor (`tc_floor`: parse, TC_ACT_OK), not with XDP's. \
+         Same method as above: repeat {REPEAT} on an identity-DNAT fixture for established flows; one call per new \
+         flow, minus the TC floor measured the same way.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| services | TC floor | pod → ClusterIP established | established / floor | pod → ClusterIP new flow (minus floor) | TC floor, repeat = 1 |"
+    );
+    let _ = writeln!(md, "|---:|---:|---:|---:|---:|---:|");
+    for r in rows {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.2}× | {:.0} | {} |",
+            r.services,
+            cell(r.tc_floor),
+            cell(r.ew_established),
+            r.ew_established.median / r.tc_floor.median,
+            r.ew_new_flow.median - r.tc_floor_single.median,
+            cell(r.tc_floor_single),
+        );
+    }
     md
 }
 
@@ -291,14 +524,18 @@ fn json(machine: &str, rows: &[Row]) -> String {
         .iter()
         .map(|r| {
             format!(
-                "{{\"services\":{},\"programming_s\":{:.3},\"floor_ns\":{},\"floor_single_ns\":{},\"non_service_ns\":{},\"established_ns\":{},\"new_flow_ns\":{}}}",
+                "{{\"services\":{},\"programming_s\":{:.3},\"floor_ns\":{},\"floor_single_ns\":{},\"non_service_ns\":{},\"established_ns\":{},\"new_flow_ns\":{},\"tc_floor_ns\":{},\"tc_floor_single_ns\":{},\"ew_established_ns\":{},\"ew_new_flow_ns\":{}}}",
                 r.services,
                 r.program_s,
                 s(r.floor_repeat),
                 s(r.floor_single),
                 s(r.non_service),
                 s(r.established),
-                s(r.new_flow)
+                s(r.new_flow),
+                s(r.tc_floor),
+                s(r.tc_floor_single),
+                s(r.ew_established),
+                s(r.ew_new_flow)
             )
         })
         .collect();

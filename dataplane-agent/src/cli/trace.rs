@@ -1,0 +1,507 @@
+//! `dataplane-agent trace`: what happens to one packet, answered by the real
+//! programs. A private copy of the datapath (nothing attached, no live map
+//! touched) is programmed from Kubernetes objects through exactly the code
+//! path `run` uses; the packet goes through the program that would see it
+//! first, then, when forwarded, through `tc_egress` (SNAT), and the result
+//! is read back from the packet, the counters and conntrack.
+
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+};
+
+use anyhow::{Context as _, bail};
+use aya::programs::{TestRun as _, TestRunOptions};
+use dataplane_common::{
+    ct::Ct4Key,
+    names,
+    stats::{Event, Hook},
+};
+use serde_json::json;
+
+use crate::{
+    agent::{
+        config::NodePortAddresses,
+        sync::{Syncer, node_context},
+    },
+    dataplane::{Datapath, DatapathConfig, LbMaps, LoadOptions, MapTable},
+    k8s::{manifests, store::Store},
+    net::{Ipv4Cidr, Protocol},
+};
+
+#[derive(clap::Args, Debug)]
+pub struct TraceArgs {
+    /// Services, EndpointSlices (and optionally the Node): files or directories.
+    #[arg(long = "manifests", required_unless_present = "live")]
+    pub manifests: Vec<PathBuf>,
+    #[arg(long)]
+    pub node_name: String,
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub node_ip: Vec<Ipv4Addr>,
+    /// Where pods come from (kube-proxy's clusterCIDR).
+    #[arg(long)]
+    pub cluster_cidr: Option<Ipv4Cidr>,
+    /// Traffic to an unallocated address inside these is dropped.
+    #[arg(long, value_delimiter = ',')]
+    pub service_cidr: Vec<Ipv4Cidr>,
+    /// `all`, `primary` or CIDR[,CIDR...] (the node's addresses are --node-ip).
+    #[arg(long, default_value = "all")]
+    pub node_port_addresses: NodePortAddresses,
+    #[arg(long)]
+    pub masquerade_all: bool,
+    /// `external` (a client off the node, on an external device), `pod` (a pod
+    /// on this node, --src is its IP) or `host` (a process of the node).
+    #[arg(long)]
+    pub from: String,
+    /// IP[:PORT] (port 40000 when omitted).
+    #[arg(long)]
+    pub src: String,
+    #[arg(long)]
+    pub dst: SocketAddrV4,
+    #[arg(long)]
+    pub proto: String,
+    #[arg(short = 'o', long, default_value = "table")]
+    pub output: String,
+    /// Use a running agent's pinned maps (copied, read-only) instead of
+    /// --manifests.
+    #[arg(long)]
+    pub live: bool,
+    #[arg(long, default_value = "/sys/fs/bpf/dataplane")]
+    pub bpffs_dir: PathBuf,
+}
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+/// What a trace found.
+struct Outcome {
+    verdict: &'static str,
+    program: &'static str,
+    event: Option<Event>,
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    snat: bool,
+    backend: Option<SocketAddrV4>,
+    service_id: Option<u32>,
+    steps: Vec<String>,
+}
+
+pub fn run(args: TraceArgs) -> anyhow::Result<()> {
+    let proto = match args.proto.to_ascii_lowercase().as_str() {
+        "tcp" => Protocol::Tcp,
+        "udp" => Protocol::Udp,
+        other => bail!("--proto {other}: expected tcp or udp"),
+    };
+    let src: SocketAddrV4 = match args.src.parse::<SocketAddrV4>() {
+        Ok(s) => s,
+        Err(_) => SocketAddrV4::new(
+            args.src
+                .parse()
+                .with_context(|| format!("--src {}: expected IP or IP:PORT", args.src))?,
+            40000,
+        ),
+    };
+    if !matches!(args.from.as_str(), "external" | "pod" | "host") {
+        bail!("--from {}: expected external, pod or host", args.from);
+    }
+    let mut dp = Datapath::load_with(&LoadOptions {
+        max_services: 65_536,
+        max_backends: 131_072,
+        max_service_entries: 524_288,
+        ct_entries: 4096,
+        affinity_entries: 1024,
+    })
+    .context("loading a private copy of the datapath (needs root or CAP_BPF)")?;
+    let mut config = DatapathConfig::new(args.node_ip[0]);
+    config.cluster_cidr = args.cluster_cidr;
+    config.service_cidrs = args.service_cidr.clone();
+    config.masquerade_all = args.masquerade_all;
+    dp.maps_mut().set_config(&config)?;
+    let names = if args.live {
+        copy_live(&args.bpffs_dir, dp.maps_mut())?
+    } else {
+        program_from_manifests(&args, dp.maps_mut())?
+    };
+    let outcome = match args.from.as_str() {
+        "host" => trace_host(&mut dp, src, args.dst, proto)?,
+        from => trace_packet(&dp, from, src, args.dst, proto)?,
+    };
+    // The Service the destination belongs to, also when it was not forwarded.
+    let service_id = match outcome.service_id {
+        Some(id) => Some(id),
+        None => dp
+            .maps()
+            .read_table()?
+            .frontends
+            .iter()
+            .find(|(f, _)| f.addr == *args.dst.ip() && f.port == args.dst.port() && f.proto == proto)
+            .map(|(_, e)| e.service_id),
+    };
+    let service = service_id.and_then(|id| names.iter().find(|(i, _)| *i == id).map(|(_, n)| n.clone()));
+    let reason = outcome.event.map_or_else(|| "not translated".to_owned(), explain);
+    let value = json!({
+        "verdict": outcome.verdict,
+        "service": service,
+        "backend": outcome.backend.map(|b| b.to_string()),
+        "src": outcome.src.to_string(),
+        "dst": outcome.dst.to_string(),
+        "snat": outcome.snat,
+        "program": outcome.program,
+        "reason": reason,
+    });
+    match args.output.as_str() {
+        "json" => println!("{value}"),
+        "table" => {
+            println!("packet {src} -> {} {} from {}", args.dst, proto, args.from);
+            for s in &outcome.steps {
+                println!("  {s}");
+            }
+            println!("verdict: {} ({reason})", outcome.verdict);
+            if let Some(s) = &service {
+                println!("service: {s}");
+            }
+            if let Some(b) = outcome.backend {
+                println!("backend: {b}");
+            }
+            println!(
+                "as the backend sees it: {} -> {} (snat: {})",
+                outcome.src, outcome.dst, outcome.snat
+            );
+        }
+        other => bail!("-o {other}: expected table or json"),
+    }
+    Ok(())
+}
+
+fn explain(e: Event) -> String {
+    match e {
+        Event::NewFlow => "new flow: backend chosen, translated".into(),
+        Event::Pass => "not a Service destination: passed untouched".into(),
+        Event::RejectNoEndpoints => "the Service has no usable endpoint: ICMP port-unreachable".into(),
+        Event::RejectUnknownPort => {
+            "a Service address on a port it does not serve: ICMP port-unreachable".into()
+        }
+        Event::DropNoLocalEndpoint => "Local traffic policy and no endpoint on this node: dropped".into(),
+        Event::DropSourceRange => "source outside loadBalancerSourceRanges: dropped".into(),
+        Event::DropUnallocatedServiceIp => {
+            "an address in a service CIDR that no Service holds: dropped".into()
+        }
+        Event::UnsupportedProto => "SCTP is not translated".into(),
+        other => other.name().replace('_', " "),
+    }
+}
+
+/// service ids → `namespace/name:port`, from the manifests, through `run`'s
+/// own sync.
+fn program_from_manifests(args: &TraceArgs, maps: &mut LbMaps) -> anyhow::Result<Vec<(u32, String)>> {
+    let objects = manifests::load(&args.manifests)?;
+    for p in &objects.problems {
+        eprintln!("warning: {p}");
+    }
+    let mut store = Store::default();
+    store.replace_services(objects.services);
+    store.replace_slices(objects.slices);
+    store.set_node(
+        objects
+            .nodes
+            .into_iter()
+            .find(|n| n.metadata.name.as_deref() == Some(args.node_name.as_str())),
+    );
+    let local: Vec<(String, Ipv4Addr)> = args.node_ip.iter().map(|ip| ("node".to_owned(), *ip)).collect();
+    let node = node_context(&args.node_ip, &args.node_port_addresses, &local);
+    let mut syncer = Syncer::adopt(&MapTable::default(), &args.node_name, 65_536, 131_072);
+    let report = syncer.sync(&store, &node, maps);
+    for p in &report.problems {
+        eprintln!("warning: {p}");
+    }
+    Ok(maps
+        .service_names()?
+        .into_iter()
+        .map(|(id, (ns, name, port, _))| (id, format!("{ns}/{name}:{port}")))
+        .collect())
+}
+
+/// Copies a running agent's table into the private maps (the live maps are
+/// only read).
+fn copy_live(dir: &std::path::Path, maps: &mut LbMaps) -> anyhow::Result<Vec<(u32, String)>> {
+    let live =
+        LbMaps::open_pins(dir).with_context(|| format!("opening the maps pinned under {}", dir.display()))?;
+    let table = live.read_table()?;
+    for (id, b) in &table.backends {
+        maps.set_backend(*id, b)?;
+    }
+    for (id, r) in &table.source_ranges {
+        maps.add_source_range(*id, *r)?;
+    }
+    for a in &table.service_addresses {
+        maps.set_service_address(*a)?;
+    }
+    for (fe, e) in &table.frontends {
+        maps.set_frontend(fe, e)?;
+    }
+    Ok(table
+        .service_names
+        .into_iter()
+        .map(|(id, (ns, name, port, _))| (id, format!("{ns}/{name}:{port}")))
+        .collect())
+}
+
+fn frame(src: SocketAddrV4, dst: SocketAddrV4, proto: Protocol) -> Vec<u8> {
+    let l4_len = if proto == Protocol::Tcp { 20 } else { 8 };
+    let mut f = vec![0u8; 14 + 20 + l4_len];
+    f[..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
+    f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
+    f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
+    let ip = &mut f[14..34];
+    ip[0] = 0x45;
+    ip[2..4].copy_from_slice(&((20 + l4_len) as u16).to_be_bytes());
+    ip[8] = 64;
+    ip[9] = proto.number();
+    ip[12..16].copy_from_slice(&src.ip().octets());
+    ip[16..20].copy_from_slice(&dst.ip().octets());
+    let c = checksum(&f[14..34], 0);
+    f[24..26].copy_from_slice(&c.to_be_bytes());
+    let l4 = &mut f[34..];
+    l4[0..2].copy_from_slice(&src.port().to_be_bytes());
+    l4[2..4].copy_from_slice(&dst.port().to_be_bytes());
+    if proto == Protocol::Tcp {
+        l4[12] = 5 << 4;
+        l4[13] = 0x02; // SYN
+        l4[14..16].copy_from_slice(&64240u16.to_be_bytes());
+    } else {
+        l4[4..6].copy_from_slice(&8u16.to_be_bytes());
+    }
+    let mut pseudo = Vec::new();
+    pseudo.extend_from_slice(&src.ip().octets());
+    pseudo.extend_from_slice(&dst.ip().octets());
+    pseudo.extend_from_slice(&[0, proto.number()]);
+    pseudo.extend_from_slice(&(l4_len as u16).to_be_bytes());
+    let sum = pseudo
+        .chunks(2)
+        .map(|w| u16::from_be_bytes([w[0], w[1]]) as u32)
+        .sum::<u32>();
+    let c = checksum(&f[34..], sum);
+    let at = if proto == Protocol::Tcp { 34 + 16 } else { 34 + 6 };
+    f[at..at + 2].copy_from_slice(&c.to_be_bytes());
+    f
+}
+
+fn checksum(bytes: &[u8], start: u32) -> u16 {
+    let mut sum = start;
+    for w in bytes.chunks(2) {
+        sum += u16::from_be_bytes([w[0], *w.get(1).unwrap_or(&0)]) as u32;
+    }
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// (src, dst) of an IPv4 TCP/UDP frame without VLAN tags.
+fn addresses(f: &[u8]) -> Option<(SocketAddrV4, SocketAddrV4, u8)> {
+    if f.len() < 38 || f[12..14] != [0x08, 0x00] {
+        return None;
+    }
+    let ihl = (f[14] & 0x0f) as usize * 4;
+    let l4 = 14 + ihl;
+    let ip = |o: usize| Ipv4Addr::new(f[o], f[o + 1], f[o + 2], f[o + 3]);
+    let port = |o: usize| u16::from_be_bytes([f[o], f[o + 1]]);
+    Some((
+        SocketAddrV4::new(ip(26), port(l4)),
+        SocketAddrV4::new(ip(30), port(l4 + 2)),
+        f[23],
+    ))
+}
+
+/// The event a hook counted during one run (counters are compared).
+fn counted(maps: &LbMaps, hook: Hook, before: &[(Event, u64)]) -> Option<Event> {
+    Event::ALL.iter().copied().find(|e| {
+        let now = maps.hook_counter(hook, *e).map_or(0, |c| c.packets);
+        let then = before.iter().find(|(b, _)| b == e).map_or(0, |(_, n)| *n);
+        now > then
+    })
+}
+
+fn snapshot(maps: &LbMaps, hook: Hook) -> Vec<(Event, u64)> {
+    Event::ALL
+        .iter()
+        .map(|e| (*e, maps.hook_counter(hook, *e).map_or(0, |c| c.packets)))
+        .collect()
+}
+
+fn trace_packet(
+    dp: &Datapath,
+    from: &str,
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    proto: Protocol,
+) -> anyhow::Result<Outcome> {
+    let input = frame(src, dst, proto);
+    let mut out = vec![0u8; input.len() + 256];
+    let (hook, program) = if from == "external" {
+        (Hook::XdpIngress, names::XDP_INGRESS)
+    } else {
+        (Hook::TcPodIngress, names::TC_POD_INGRESS)
+    };
+    let before = snapshot(dp.maps(), hook);
+    let opts = TestRunOptions {
+        data_in: Some(&input),
+        data_out: Some(&mut out),
+        repeat: 1,
+        ..Default::default()
+    };
+    let r = if from == "external" {
+        dp.xdp()?.test_run(opts)?
+    } else {
+        dp.tc(program)?.test_run(opts)?
+    };
+    out.truncate(r.data_size_out as usize);
+    let event = counted(dp.maps(), hook, &before);
+    let mut steps = vec![format!(
+        "{program}: returned {} ({})",
+        r.return_value,
+        event.map_or("no counter moved", |e| e.name())
+    )];
+    let mut o = Outcome {
+        verdict: "pass",
+        program,
+        event,
+        src,
+        dst,
+        snat: false,
+        backend: None,
+        service_id: None,
+        steps: Vec::new(),
+    };
+    let forwarded = matches!(
+        (from, r.return_value),
+        ("external", XDP_PASS) | ("pod", TC_ACT_OK)
+    );
+    o.verdict = match (from, r.return_value) {
+        (_, _) if forwarded && event == Some(Event::NewFlow) => "forward",
+        ("external", XDP_DROP) | ("pod", TC_ACT_SHOT) => "drop",
+        ("external", XDP_TX) | ("pod", TC_ACT_REDIRECT) => "reject",
+        _ => "pass",
+    };
+    if o.verdict == "forward" {
+        let (_, translated_dst, _) = addresses(&out).context("unexpected output frame")?;
+        o.dst = translated_dst;
+        o.backend = Some(translated_dst);
+        steps.push(format!(
+            "destination rewritten to {translated_dst} (conntrack entry created)"
+        ));
+        let key = Ct4Key {
+            saddr: u32::from(*src.ip()).to_be(),
+            daddr: u32::from(*dst.ip()).to_be(),
+            sport: src.port().to_be(),
+            dport: dst.port().to_be(),
+            proto: proto.number(),
+            _pad: [0; 3],
+        };
+        if let Some((_, e)) = dp.maps().conntrack()?.into_iter().find(|(k, _)| *k == key) {
+            o.service_id = Some(e.service_id);
+        }
+        // Routed towards the backend: tc_egress on the way out (SNAT).
+        let mut out2 = vec![0u8; out.len() + 256];
+        let r2 = dp.tc(names::TC_EGRESS)?.test_run(TestRunOptions {
+            data_in: Some(&out),
+            data_out: Some(&mut out2),
+            repeat: 1,
+            ..Default::default()
+        })?;
+        out2.truncate(r2.data_size_out as usize);
+        let (final_src, final_dst, _) = addresses(&out2).context("unexpected tc_egress output")?;
+        o.snat = final_src != src;
+        o.src = final_src;
+        o.dst = final_dst;
+        steps.push(if o.snat {
+            format!("tc_egress: source masqueraded to {final_src}")
+        } else {
+            "tc_egress: source kept (no SNAT)".to_owned()
+        });
+    }
+    o.steps = steps;
+    Ok(o)
+}
+
+/// Host processes are translated at connect(): the private copy's cgroup
+/// programs are attached to a throwaway cgroup this process joins, and a
+/// socket connects in a throwaway network namespace (the hook runs before
+/// routing; nothing leaves).
+fn trace_host(
+    dp: &mut Datapath,
+    src: SocketAddrV4,
+    dst: SocketAddrV4,
+    proto: Protocol,
+) -> anyhow::Result<Outcome> {
+    let root = crate::agent::config::cgroup2_root().context("tracing a host process needs cgroup v2")?;
+    let cgroup = root.join(format!("dataplane-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
+    let result = (|| -> anyhow::Result<Outcome> {
+        dp.attach_cgroup(&cgroup)?;
+        let before = snapshot(dp.maps(), Hook::Socket);
+        std::fs::write(cgroup.join("cgroup.procs"), std::process::id().to_string())?;
+        let connected = std::thread::spawn(move || -> std::io::Result<()> {
+            // SAFETY: unshare on this thread only.
+            if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            match proto {
+                Protocol::Udp => std::net::UdpSocket::bind("0.0.0.0:0")?.connect(dst),
+                _ => std::net::TcpStream::connect_timeout(&dst.into(), std::time::Duration::from_millis(200))
+                    .map(drop),
+            }
+        })
+        .join()
+        .expect("connect thread");
+        std::fs::write(root.join("cgroup.procs"), std::process::id().to_string())?;
+        let event = counted(dp.maps(), Hook::Socket, &before);
+        let mut o = Outcome {
+            verdict: "pass",
+            program: names::SOCK_CONNECT4,
+            event,
+            src: SocketAddrV4::new(src.ip().to_owned(), src.port()),
+            dst,
+            snat: false,
+            backend: None,
+            service_id: None,
+            steps: vec![format!(
+                "{}: {}",
+                names::SOCK_CONNECT4,
+                event.map_or("no counter moved", |e| e.name())
+            )],
+        };
+        match event {
+            Some(Event::NewFlow) => {
+                let table = dp.maps().read_table()?;
+                o.service_id = table
+                    .frontends
+                    .iter()
+                    .find(|(f, _)| f.addr == *dst.ip() && f.port == dst.port() && f.proto == proto)
+                    .map(|(_, e)| e.service_id);
+                let backend = dp.maps().sock_translations()?.into_iter().next();
+                o.backend = backend;
+                o.dst = backend.unwrap_or(dst);
+                o.verdict = "forward";
+                o.steps.push(format!(
+                    "connect() goes to {} (getpeername still shows {dst})",
+                    o.dst
+                ));
+            }
+            Some(Event::RejectNoEndpoints) | Some(Event::RejectUnknownPort) => o.verdict = "reject",
+            Some(e) if e.is_drop() => o.verdict = "drop",
+            _ => {}
+        }
+        if let Err(e) = connected {
+            o.steps.push(format!("connect(): {e}"));
+        }
+        Ok(o)
+    })();
+    let _ = std::fs::write(root.join("cgroup.procs"), std::process::id().to_string());
+    let _ = std::fs::remove_dir(&cgroup);
+    result
+}

@@ -1,0 +1,221 @@
+//! BPF_PROG_TEST_RUN fixtures for the east-west programs (`tc_pod_ingress`,
+//! `tc_egress`) and for affinity shared across a Service port's addresses.
+//! Output checksums are verified by the test's own implementation.
+
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    time::Duration,
+};
+
+use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
+use dataplane_agent::{
+    dataplane::{Datapath, DatapathConfig, LoadOptions},
+    net::Protocol,
+    state::{desired, diff::Programmer, model::NodeContext},
+};
+use dataplane_common::names;
+use dataplane_tests::{
+    packet::{Frame, ICMP, TCP_ACK, TCP_SYN, parse_and_verify},
+    services::{TestEndpoint, TestService},
+};
+
+const TC_ACT_OK: u32 = 0;
+const TC_ACT_SHOT: u32 = 2;
+const TC_ACT_REDIRECT: u32 = 7;
+
+const NODE: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
+const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 20);
+const REMOTE: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 10);
+const CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const EMPTY_CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 11);
+const ITP_CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
+const HAIRPIN_CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 13);
+const AFF_CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 14);
+
+fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(ip, port)
+}
+
+fn datapath() -> Datapath {
+    dataplane_tests::require_privileges();
+    let opts = LoadOptions {
+        max_services: 64,
+        max_backends: 64,
+        max_service_entries: 1024,
+        ct_entries: 4096,
+        affinity_entries: 64,
+    };
+    let mut dp = Datapath::load_with(&opts).expect("load datapath");
+    let mut config = DatapathConfig::new(NODE);
+    config.cluster_cidr = Some("10.244.0.0/16".parse().unwrap());
+    config.service_cidrs = vec!["10.96.0.0/16".parse().unwrap()];
+    dp.maps_mut().set_config(&config).unwrap();
+    let services = [
+        TestService::new(1, "web", Protocol::Tcp, 80)
+            .cluster_ip(CIP)
+            .endpoint(TestEndpoint::ready(REMOTE, 8080, 1)),
+        TestService::new(2, "empty", Protocol::Tcp, 80).cluster_ip(EMPTY_CIP),
+        TestService::new(3, "itp", Protocol::Tcp, 80)
+            .cluster_ip(ITP_CIP)
+            .internal_local()
+            .endpoint(TestEndpoint::ready(REMOTE, 8080, 1)),
+        TestService::new(4, "hairpin", Protocol::Tcp, 80)
+            .cluster_ip(HAIRPIN_CIP)
+            .endpoint(TestEndpoint::ready(POD, 8080, 0)),
+        (1..=8).fold(
+            TestService::new(5, "sticky", Protocol::Tcp, 80)
+                .cluster_ip(AFF_CIP)
+                .node_port(30080)
+                .affinity(Duration::from_secs(600)),
+            |s, i| s.endpoint(TestEndpoint::ready(Ipv4Addr::new(10, 244, 2, 100 + i), 8080, 1)),
+        ),
+    ];
+    let ports: Vec<_> = services.iter().map(|s| (s.id, s.for_node(0))).collect();
+    let node = NodeContext {
+        node_port_addresses: vec![NODE],
+        node_ips: vec![NODE],
+    };
+    let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &node);
+    Programmer::new(opts.max_backends)
+        .sync(dp.maps_mut(), &table)
+        .unwrap();
+    dp
+}
+
+fn run_tc(prog: &SchedClassifier, input: &[u8]) -> (u32, Vec<u8>) {
+    let mut out = vec![0u8; input.len() + 256];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            repeat: 1,
+            ..Default::default()
+        })
+        .expect("BPF_PROG_TEST_RUN");
+    out.truncate(r.data_size_out as usize);
+    (r.return_value, out)
+}
+
+fn run_xdp(prog: &Xdp, input: &[u8]) -> (u32, Vec<u8>) {
+    let mut out = vec![0u8; input.len() + 256];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            repeat: 1,
+            ..Default::default()
+        })
+        .expect("BPF_PROG_TEST_RUN");
+    out.truncate(r.data_size_out as usize);
+    (r.return_value, out)
+}
+
+#[test]
+fn tc_pod_ingress_translates_pod_flows_and_answers_their_rejects() {
+    let dp = datapath();
+    let pod_in = dp.tc(names::TC_POD_INGRESS).unwrap();
+    let syn = |src: u16, dst| Frame::tcp(sa(POD, src), dst, TCP_SYN).build();
+
+    // Pod -> ClusterIP: DNAT, source kept (in-cluster).
+    let (v, out) = run_tc(pod_in, &syn(40000, sa(CIP, 80)));
+    assert_eq!(v, TC_ACT_OK);
+    let o = parse_and_verify(&out);
+    assert_eq!((o.src_addr(), o.dst_addr()), (sa(POD, 40000), sa(REMOTE, 8080)));
+    // The next packet of the flow follows conntrack.
+    let (v, out) = run_tc(pod_in, &Frame::tcp(sa(POD, 40000), sa(CIP, 80), TCP_ACK).build());
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(parse_and_verify(&out).dst_addr(), sa(REMOTE, 8080));
+
+    // No endpoints: the frame becomes an ICMP port-unreachable redirected
+    // back to the pod.
+    let input = syn(40001, sa(EMPTY_CIP, 80));
+    let (v, out) = run_tc(pod_in, &input);
+    assert_eq!(v, TC_ACT_REDIRECT);
+    let (i, o) = (parse_and_verify(&input), parse_and_verify(&out));
+    assert_eq!((o.src, o.dst, o.proto), (EMPTY_CIP, POD, ICMP));
+    assert_eq!((o.src_mac, o.dst_mac), (i.dst_mac, i.src_mac));
+    assert_eq!(&o.l4[..2], &[3, 3]);
+    assert_eq!(&o.l4[8..], &input[14..14 + 28], "quotes the pod's packet");
+
+    // iTP=Local without a local endpoint: dropped.
+    let (v, _) = run_tc(pod_in, &syn(40002, sa(ITP_CIP, 80)));
+    assert_eq!(v, TC_ACT_SHOT);
+
+    // Not a Service: untouched.
+    let input = syn(40003, sa(REMOTE, 8080));
+    let (v, out) = run_tc(pod_in, &input);
+    assert_eq!((v, out), (TC_ACT_OK, input));
+}
+
+#[test]
+fn hairpin_is_snated_by_tc_egress_and_replies_restored() {
+    let dp = datapath();
+    let (pod_in, egress) = (
+        dp.tc(names::TC_POD_INGRESS).unwrap(),
+        dp.tc(names::TC_EGRESS).unwrap(),
+    );
+    // The pod reaches itself through its Service.
+    let (v, out) = run_tc(
+        pod_in,
+        &Frame::tcp(sa(POD, 41000), sa(HAIRPIN_CIP, 80), TCP_SYN).build(),
+    );
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(parse_and_verify(&out).dst_addr(), sa(POD, 8080));
+    // Routed back to its own interface: tc_egress masquerades the source.
+    let (v, out) = run_tc(egress, &out);
+    assert_eq!(v, TC_ACT_OK);
+    let o = parse_and_verify(&out);
+    assert_eq!(o.src, NODE, "hairpin: SNAT to the node");
+    let snat = o.src_addr();
+    // The reply: back to the pod's original socket, from the Service address.
+    let reply = Frame::tcp(sa(POD, 8080), snat, TCP_SYN | TCP_ACK).build();
+    let (v, out) = run_tc(pod_in, &reply);
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(parse_and_verify(&out).dst_addr(), sa(POD, 41000), "un-SNAT");
+    let (v, out) = run_tc(egress, &out);
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(parse_and_verify(&out).src_addr(), sa(HAIRPIN_CIP, 80), "un-DNAT");
+}
+
+#[test]
+fn session_affinity_is_shared_across_a_service_ports_addresses() {
+    let dp = datapath();
+    let (xdp, pod_in) = (dp.xdp().unwrap(), dp.tc(names::TC_POD_INGRESS).unwrap());
+    // A client outside the cluster: first through the NodePort (XDP)...
+    let client = Ipv4Addr::new(198, 18, 0, 100);
+    let (_, out) = run_xdp(
+        xdp,
+        &Frame::tcp(sa(client, 42000), sa(NODE, 30080), TCP_SYN).build(),
+    );
+    let backend = parse_and_verify(&out).dst;
+    // ...then, from new connections, through the NodePort and the ClusterIP
+    // alike: always the same backend (8 candidates).
+    for i in 0..10u16 {
+        let dst = if i % 2 == 0 {
+            sa(AFF_CIP, 80)
+        } else {
+            sa(NODE, 30080)
+        };
+        let (_, out) = run_xdp(xdp, &Frame::tcp(sa(client, 42001 + i), dst, TCP_SYN).build());
+        assert_eq!(parse_and_verify(&out).dst, backend, "connection {i} to {dst}");
+    }
+    // A pod has its own affinity, kept across the port's addresses too.
+    let (_, out) = run_tc(
+        pod_in,
+        &Frame::tcp(sa(POD, 43000), sa(AFF_CIP, 80), TCP_SYN).build(),
+    );
+    let pod_backend = parse_and_verify(&out).dst;
+    for i in 0..10u16 {
+        let dst = if i % 2 == 0 {
+            sa(NODE, 30080)
+        } else {
+            sa(AFF_CIP, 80)
+        };
+        let (_, out) = run_tc(pod_in, &Frame::tcp(sa(POD, 43001 + i), dst, TCP_SYN).build());
+        assert_eq!(
+            parse_and_verify(&out).dst,
+            pod_backend,
+            "pod connection {i} to {dst}"
+        );
+    }
+}
