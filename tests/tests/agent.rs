@@ -206,6 +206,33 @@ fn health_check_node_ports_answer_like_kube_proxy() {
         AgentProcess::http_get(n.ns(), SocketAddrV4::new(n.ip(), HEALTH_PORT), "/livez").unwrap();
     assert_eq!(status, 200);
 
+    // `inspect health` shows the same, from the node.
+    let out = n
+        .ns()
+        .command(BIN)
+        .args([
+            "inspect",
+            "health",
+            "--health-address",
+            &format!("{}:{HEALTH_PORT}", n.ip()),
+            "-o",
+            "json",
+        ])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let h: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(h["healthz"]["status"], 200);
+    let check = &h["healthCheckNodePorts"][0];
+    assert_eq!(
+        (
+            check["name"].as_str(),
+            check["port"].as_u64(),
+            check["status"].as_u64()
+        ),
+        (Some("lb"), Some(32000), Some(200))
+    );
+
     // The Service goes: its health server closes.
     s.manifests.remove("web.yaml");
     s.eventually("the health server closes with its Service", || {
@@ -306,5 +333,114 @@ fn pods_that_appear_after_the_agent_started_reach_services() {
         s.agents[0].log_text().contains("attached to pod interface"),
         "{}",
         s.logs()
+    );
+}
+
+/// `dataplane-agent inspect ... -o json` against `agent`'s pins.
+fn inspect(s: &Sandbox, agent: usize, what: &[&str]) -> serde_json::Value {
+    let pins = s.cluster.bpffs.path().join(&s.cluster.nodes[agent].name);
+    let out = std::process::Command::new(BIN)
+        .arg("inspect")
+        .arg("--bpffs-dir")
+        .arg(&pins)
+        .args(["-o", "json"])
+        .args(what)
+        .output()
+        .expect("run inspect");
+    assert!(
+        out.status.success(),
+        "inspect {what:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("inspect json")
+}
+
+#[test]
+fn inspect_and_trace_read_a_running_agent_and_a_stopped_one() {
+    let mut s = Sandbox::new(|c| node_port_service(c, "  externalTrafficPolicy: Local\n", &["a", "b"]));
+    let dst = s.node_port(0);
+    assert!(s.servers_seen(dst, 5).contains("a"));
+
+    let services = inspect(&s, 0, &["services"]);
+    let rows = services["services"].as_array().unwrap();
+    let np = rows
+        .iter()
+        .find(|r| r["frontend"] == format!("{dst}/TCP").as_str())
+        .unwrap_or_else(|| panic!("NodePort row in {services}"));
+    assert_eq!(np["type"], "NodePort");
+    assert_eq!(np["service"], "default/web:p");
+    assert!(np["flags"].as_array().unwrap().contains(&"eTP=Local".into()));
+    assert_eq!(
+        np["external"]["backends"].as_array().unwrap().len(),
+        1,
+        "the local set"
+    );
+    assert_eq!(
+        np["internal"]["backends"].as_array().unwrap().len(),
+        2,
+        "the cluster set"
+    );
+    assert!(np["packets"].as_u64().unwrap() >= 5, "traffic counted: {np}");
+
+    let backends = inspect(&s, 0, &["backends"]);
+    assert_eq!(backends["backends"].as_array().unwrap().len(), 2);
+    let ct = inspect(
+        &s,
+        0,
+        &["conntrack", "--address", &s.cluster.client.ip.to_string()],
+    );
+    assert!(ct["count"].as_u64().unwrap() >= 10, "the client's flows: {ct}");
+    assert!(ct["capacity"].as_u64().unwrap() > 0);
+    let stats = inspect(&s, 0, &["stats"]);
+    assert!(
+        stats["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["event"] == "new_flow")
+    );
+
+    // The agent is down: the pins still answer.
+    s.agents[0].kill9();
+    let again = inspect(&s, 0, &["services"]);
+    assert_eq!(again["services"].as_array().unwrap().len(), rows.len());
+
+    // trace --live copies the pinned table (read-only) into a private datapath.
+    let pins = s.cluster.bpffs.path().join("node1");
+    let before = inspect(&s, 0, &["conntrack"])["total"].clone();
+    let out = std::process::Command::new(BIN)
+        .args(["trace", "--live", "--bpffs-dir"])
+        .arg(&pins)
+        .args([
+            "--node-name",
+            "node1",
+            "--node-ip",
+            &s.cluster.nodes[0].ip().to_string(),
+        ])
+        .args([
+            "--cluster-cidr",
+            "10.244.0.0/16",
+            "--from",
+            "external",
+            "--src",
+            "203.0.113.9",
+        ])
+        .args(["--dst", &dst.to_string(), "--proto", "tcp", "-o", "json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let t: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(t["verdict"], "forward");
+    assert_eq!(
+        t["backend"],
+        format!("{}:8080", s.cluster.pod("a").ip).as_str(),
+        "the local endpoint"
+    );
+    assert_eq!(t["snat"], false);
+    assert_eq!(t["service"], "default/web:p");
+    assert_eq!(
+        inspect(&s, 0, &["conntrack"])["total"],
+        before,
+        "the live maps were not written"
     );
 }
