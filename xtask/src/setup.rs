@@ -31,6 +31,7 @@ pub fn run(mode: Mode) -> anyhow::Result<()> {
     debian_packages(mode)?;
     rust_components(mode)?;
     bpf_linker(mode)?;
+    python_tools(mode)?;
     eprintln!("setup: all prerequisites present");
     Ok(())
 }
@@ -173,6 +174,42 @@ fn bpf_linker(mode: Mode) -> anyhow::Result<()> {
     .with_context(|| format!("building bpf-linker failed; the command was `{install}`"))?;
     if output(Command::new("bpf-linker").arg("--version")).is_none() {
         bail!("bpf-linker was installed but is not on PATH: add ~/.cargo/bin to PATH");
+    }
+    Ok(())
+}
+
+/// kubernetes-validate (PyPI): the deployment tests validate deploy/ against
+/// the Kubernetes schemas with it.
+const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
+
+fn python_tools(mode: Mode) -> anyhow::Result<()> {
+    let present =
+        || output(Command::new("python3").args(["-m", "kubernetes_validate", "--version"])).is_some();
+    if present() {
+        eprintln!("setup: {KUBERNETES_VALIDATE} present");
+        return Ok(());
+    }
+    let install = format!("python3 -m pip install {KUBERNETES_VALIDATE}");
+    if mode == Mode::Check {
+        bail!("kubernetes-validate is missing; install it with `{install}`");
+    }
+    eprintln!("setup: installing {KUBERNETES_VALIDATE} from PyPI");
+    let plain =
+        cmd::run(Command::new("python3").args(["-m", "pip", "install", "--quiet", KUBERNETES_VALIDATE]));
+    if plain.is_err() {
+        // Debian's system Python refuses pip installs without this flag.
+        cmd::run(Command::new("python3").args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--break-system-packages",
+            KUBERNETES_VALIDATE,
+        ]))
+        .with_context(|| format!("`{install}` failed; is PyPI reachable?"))?;
+    }
+    if !present() {
+        bail!("kubernetes-validate installed but `python3 -m kubernetes_validate` does not run");
     }
     Ok(())
 }

@@ -154,7 +154,22 @@ impl Feed {
     }
 }
 
-pub fn run(cfg: RunConfig) -> anyhow::Result<()> {
+pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
+    if cfg.devices.is_empty() {
+        let mut devices: Vec<String> = interfaces::ipv4_addresses()
+            .into_iter()
+            .filter(|(_, a)| cfg.node_ips.contains(a))
+            .map(|(d, _)| d)
+            .collect();
+        devices.dedup();
+        if devices.is_empty() {
+            anyhow::bail!(
+                "no device holds the node IPs {:?} in this network namespace; pass --devices",
+                cfg.node_ips
+            );
+        }
+        cfg.devices = devices;
+    }
     let stop = stop_on_signal();
     let mut feed = match &cfg.source {
         Source::Manifests(paths) => Feed::Manifests {

@@ -61,6 +61,16 @@ enum Command {
     Trace(Box<trace::TraceArgs>),
 }
 
+/// Parses `argv` as a `run` command line and resolves its settings (config
+/// file included) without starting anything: the deployment tests check the
+/// DaemonSet's arguments with it.
+pub fn resolve_run_args(argv: &[String]) -> anyhow::Result<crate::agent::config::RunConfig> {
+    match Cli::try_parse_from(argv)?.command {
+        Command::Run(args) => Ok(run::resolve(*args)?.0),
+        _ => anyhow::bail!("not a `run` command line"),
+    }
+}
+
 /// Parses the command line and runs the verb.
 pub fn main() -> anyhow::Result<()> {
     match Cli::parse().command {

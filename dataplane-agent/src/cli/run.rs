@@ -107,23 +107,12 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
     if node_ips.is_empty() {
         bail!("--node-ip is required (the node's primary IPv4 address; the first one is the SNAT address)");
     }
-    let mut devices = if args.devices.is_empty() {
+    // Empty: the devices holding the node IPs, found when the agent starts.
+    let devices = if args.devices.is_empty() {
         file.devices.unwrap_or_default()
     } else {
         args.devices
     };
-    if devices.is_empty() {
-        let local = agent::interfaces::ipv4_addresses();
-        devices = local
-            .iter()
-            .filter(|(_, a)| node_ips.contains(a))
-            .map(|(d, _)| d.clone())
-            .collect();
-        devices.dedup();
-        if devices.is_empty() {
-            bail!("no device holds the node IPs {node_ips:?} in this network namespace; pass --devices");
-        }
-    }
     let pod_interfaces = if !args.pod_interfaces.is_empty() {
         args.pod_interfaces
     } else {
