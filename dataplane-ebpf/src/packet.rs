@@ -33,8 +33,12 @@ pub mod ip {
 
 /// Packet memory of either program type.
 pub trait PacketCtx {
+    /// Start and end of the directly readable bytes.
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
+    /// The whole packet's length. For an skb it can exceed the directly
+    /// readable (linear) part: the payload may sit in fragments.
+    fn packet_len(&self) -> usize;
 }
 
 impl PacketCtx for XdpContext {
@@ -46,6 +50,10 @@ impl PacketCtx for XdpContext {
     fn data_end(&self) -> usize {
         XdpContext::data_end(self)
     }
+    #[inline(always)]
+    fn packet_len(&self) -> usize {
+        XdpContext::data_end(self) - XdpContext::data(self)
+    }
 }
 
 impl PacketCtx for TcContext {
@@ -56,6 +64,10 @@ impl PacketCtx for TcContext {
     #[inline(always)]
     fn data_end(&self) -> usize {
         TcContext::data_end(self)
+    }
+    #[inline(always)]
+    fn packet_len(&self) -> usize {
+        self.len() as usize
     }
 }
 
@@ -161,7 +173,7 @@ pub fn parse<C: PacketCtx>(ctx: &C) -> Parsed {
     };
     let tot_len = u16::from_be(tot_len);
     // Truncated: the IP header claims more than the frame holds.
-    if (tot_len as usize) < ihl || l3 + tot_len as usize > ctx.data_end() - ctx.data() {
+    if (tot_len as usize) < ihl || l3 + tot_len as usize > ctx.packet_len() {
         return Parsed::Malformed;
     }
     if u16::from_be(frag) & (IP_MF | IP_OFFSET) != 0 {

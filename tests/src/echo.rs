@@ -220,3 +220,71 @@ impl UdpClient {
 pub fn udp_request(ns: &NetNs, dst: SocketAddrV4, payload: &str) -> std::io::Result<EchoReply> {
     UdpClient::connect(ns, dst)?.request(payload)
 }
+
+/// A tiny HTTP server: every GET is answered `200 OK` with the body
+/// `"<name> saw <peer-ip>:<peer-port>\n"`. Stopped on drop.
+#[derive(Debug)]
+pub struct HttpServer {
+    inner: EchoServer,
+}
+
+impl HttpServer {
+    pub fn start(ns: &NetNs, name: &str, addr: SocketAddrV4) -> Self {
+        let listener = ns
+            .run(|| TcpListener::bind(addr))
+            .unwrap_or_else(|e| panic!("bind http {addr} in {}: {e}", ns.name()));
+        let fd = listener.as_raw_fd();
+        let stop = Arc::new(AtomicBool::new(false));
+        let (name, stop2) = (name.to_owned(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                if stop2.load(Ordering::Relaxed) {
+                    break;
+                }
+                let Ok(conn) = conn else { continue };
+                let name = name.clone();
+                std::thread::spawn(move || {
+                    let Ok(peer) = conn.peer_addr() else { return };
+                    let mut reader = BufReader::new(&conn);
+                    let mut line = String::new();
+                    while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                        line.clear();
+                    }
+                    let body = format!("{name} saw {peer}\n");
+                    let _ = (&conn).write_all(
+                        format!(
+                            "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                            body.len()
+                        )
+                        .as_bytes(),
+                    );
+                });
+            }
+        });
+        Self {
+            inner: EchoServer {
+                addr,
+                stop,
+                fd,
+                thread: Some(thread),
+            },
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddrV4 {
+        self.inner.addr
+    }
+}
+
+/// GET / from `ns`; the response body.
+pub fn http_get(ns: &NetNs, dst: SocketAddrV4) -> std::io::Result<String> {
+    let stream = ns.run(|| TcpStream::connect_timeout(&dst.into(), CLIENT_TIMEOUT))?;
+    stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+    (&stream).write_all(format!("GET / HTTP/1.1\r\nHost: {dst}\r\nConnection: close\r\n\r\n").as_bytes())?;
+    let mut text = String::new();
+    std::io::Read::read_to_string(&mut &stream, &mut text)?;
+    Ok(text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.trim_end().to_owned())
+        .unwrap_or_default())
+}

@@ -66,9 +66,30 @@ fn sweep_orphans() {
     });
 }
 
-/// Deletes every namespace and bpffs directory this process created; for a
-/// signal handler that exits without unwinding.
+/// Stops this process's child processes (agents) and deletes every
+/// namespace, bpffs directory and cgroup it created; for a signal handler
+/// that exits without unwinding.
 pub fn remove_own() {
+    let me = std::process::id().to_string();
+    if let Ok(procs) = std::fs::read_dir("/proc") {
+        for p in procs.flatten() {
+            let Ok(stat) = std::fs::read_to_string(p.path().join("stat")) else {
+                continue;
+            };
+            // pid (comm) state ppid ...: comm may hold spaces, so split after ')'.
+            let ppid = stat
+                .rsplit(')')
+                .next()
+                .and_then(|rest| rest.split_whitespace().nth(1));
+            if ppid == Some(me.as_str())
+                && let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>()
+            {
+                // SAFETY: plain kill(2) of our own child.
+                unsafe { libc::kill(pid, libc::SIGTERM) };
+            }
+        }
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
     let own = format!("{NAME_PREFIX}{}-", std::process::id());
     remove_matching(|name| name.starts_with(&own));
 }

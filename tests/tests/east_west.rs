@@ -300,3 +300,28 @@ fn host_processes_reach_services_at_connect_time_and_see_the_service_address() {
     let err = host_client(&s, 0, "tcp", SocketAddrV4::new(CIP, 81)).expect_err("no endpoints");
     assert_eq!(err, "ConnectionRefused");
 }
+
+#[test]
+fn large_segments_whose_payload_is_not_linear_are_translated() {
+    // Replies larger than the part of the skb TC can read directly: the
+    // datapath must judge a packet by its full length, not the linear part.
+    let mut s = Sandbox::new();
+    let svc = s.svc(1, &["a", "b"]);
+    s.program(&[&svc]);
+    let mut c = TcpClient::connect(&s.cluster.pod("client").ns, SocketAddrV4::new(CIP, 80)).unwrap();
+    for size in [100, 1000, 1400, 4000] {
+        let payload = "y".repeat(size);
+        let r = c
+            .request(&payload)
+            .unwrap_or_else(|e| panic!("{size}-byte request: {e}; {}", s.report()));
+        assert_eq!(r.payload.len(), size);
+    }
+    for n in &s.nodes {
+        assert_eq!(
+            n.datapath.maps().counter(Event::Malformed).unwrap().packets,
+            0,
+            "{}",
+            s.report()
+        );
+    }
+}

@@ -130,7 +130,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             print(&args.output, json!({ "services": rows }), || {
                 let mut out = format!(
                     "{:<24} {:<12} {:<36} {:<28} {:>8} {:>10} {:>12}\n",
-                    "FRONTEND", "TYPE", "SERVICE", "FLAGS", "BACKENDS", "PACKETS", "BYTES"
+                    "FRONTEND", "TYPE", "SERVICE PORT", "FLAGS", "BACKENDS", "SVC PKTS", "SVC BYTES"
                 );
                 for (fe, e) in &table.frontends {
                     let stats = maps.service_stats(e.service_id).unwrap_or_default();

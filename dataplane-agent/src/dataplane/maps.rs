@@ -700,6 +700,14 @@ impl LbMaps {
             }
         }
         table.service_names = self.service_names()?;
+        // Stable order for people and diffs: by kind, then address and port.
+        table
+            .frontends
+            .sort_by_key(|(f, e)| (e.kind as u8, f.addr, f.port, f.proto));
+        table.backends.sort_by_key(|(id, _)| *id);
+        table.service_addresses.sort();
+        table.source_ranges.sort();
+        table.service_names.sort_by_key(|(id, _)| *id);
         Ok(table)
     }
 

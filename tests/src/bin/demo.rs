@@ -1,99 +1,198 @@
 //! The sandbox demo behind `cargo xtask demo`: a two-node cluster in network
-//! namespaces with the datapath attached to each node's external device, real
-//! traffic, and what the datapath counted.
+//! namespaces, the agent running on each node from example manifests, and
+//! real requests showing what the dataplane does. Nothing outside the
+//! sandbox is touched; everything is removed on exit or Ctrl-C.
 
-use std::net::SocketAddrV4;
-
-use dataplane_agent::dataplane::Datapath;
-use dataplane_common::stats::{Event, Hook};
-use dataplane_tests::{
-    cleanup_on_signal,
-    cluster::{Cluster, EXTERNAL_DEVICE},
-    echo::{EchoServer, tcp_request, udp_request},
+use std::{
+    net::{Ipv4Addr, SocketAddrV4},
+    time::Instant,
 };
 
+use dataplane_tests::{
+    agent::{ManifestDir, ManifestEndpoint as Ep, service_yaml},
+    cleanup_on_signal,
+    cluster::Cluster,
+    echo::{HttpServer, TcpClient, http_get},
+    services::EXTERNAL_VIP_RANGE,
+};
+
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
+const EMPTY_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 20);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
+
 fn main() {
-    if std::env::args().any(|a| a == "--help" || a == "-h") {
+    let args: Vec<String> = std::env::args().collect();
+    if args.iter().any(|a| a == "--help" || a == "-h") {
+        println!("usage: cargo xtask demo [-- --keep]\n");
+        println!("Builds a two-node cluster in network namespaces, runs the agent on each node, sends real");
         println!(
-            "usage: cargo xtask demo\n\nBuilds a sandbox cluster in network namespaces, attaches the datapath,"
+            "requests through the dataplane and prints what happened. Needs root. Leaves nothing behind,"
         );
-        println!("sends traffic and prints what the datapath counted. Needs root. Leaves nothing behind.");
+        println!("unless --keep: then the sandbox stays up until Ctrl-C, with commands to poke at it.");
         return;
     }
+    let keep = args.iter().any(|a| a == "--keep");
+    let agent_bin = std::env::current_exe().expect("own path").with_file_name("agent");
+    assert!(
+        agent_bin.exists(),
+        "{} is missing: run through `cargo xtask demo`",
+        agent_bin.display()
+    );
+    let agent_bin = agent_bin.to_str().unwrap().to_owned();
     cleanup_on_signal();
+
     let mut cluster = Cluster::new();
-    let a = cluster.add_pod(0, "web-a");
-    let b = cluster.add_pod(1, "web-b");
+    for (name, node) in [("web-a", 0), ("web-b", 1), ("tester", 0)] {
+        cluster.add_pod(node, name);
+    }
+    let servers: Vec<HttpServer> = ["web-a", "web-b"]
+        .iter()
+        .map(|n| {
+            let p = cluster.pod(n);
+            HttpServer::start(&p.ns, n, SocketAddrV4::new(p.ip, 8080))
+        })
+        .collect();
+    cluster.route_from_client(EXTERNAL_VIP_RANGE, 0);
+    let ep = |pod: &str| {
+        let p = cluster.pod(pod);
+        Ep::ready(p.ip, &cluster.nodes[p.node].name)
+    };
+    let manifests = ManifestDir::new(cluster.prefix());
+    manifests.write(
+        "web.yaml",
+        &service_yaml(
+            "web",
+            &format!("  type: NodePort\n  clusterIP: {CLUSTER_IP}\n"),
+            80,
+            Some(30080),
+            8080,
+            &[ep("web-a"), ep("web-b")],
+        ),
+    );
+    // The LoadBalancer's ingress IP goes in the Service's status.
+    let web_local = service_yaml(
+        "web-local",
+        "  type: LoadBalancer\n  clusterIP: 10.96.0.11\n  externalTrafficPolicy: Local\n  healthCheckNodePort: 32000\n",
+        80,
+        Some(30081),
+        8080,
+        &[ep("web-a")],
+    )
+    .replacen(
+        "---\n",
+        &format!("status: {{loadBalancer: {{ingress: [{{ip: {LB_IP}}}]}}}}\n---\n"),
+        1,
+    );
+    manifests.write("web-local.yaml", &web_local);
+    manifests.write(
+        "empty.yaml",
+        &service_yaml(
+            "empty",
+            &format!("  clusterIP: {EMPTY_IP}\n"),
+            80,
+            None,
+            8080,
+            &[],
+        ),
+    );
     println!(
-        "sandbox {}: client {}, node1 {}, node2 {}",
-        cluster.prefix(),
+        "sandbox {} (network namespaces; the machine's own network is untouched)",
+        cluster.prefix()
+    );
+    println!(
+        "  external client {}   node1 {}   node2 {}",
         cluster.client.ip,
         cluster.nodes[0].ip(),
         cluster.nodes[1].ip()
     );
     for p in &cluster.pods {
         println!(
-            "  pod {:<6} {:<12} on {}",
+            "  pod {:<7} {:<12} on {}",
             p.name, p.ip, cluster.nodes[p.node].name
         );
     }
-
-    let mut datapaths: Vec<Datapath> = cluster
-        .nodes
-        .iter()
-        .map(|node| {
-            let mut dp = Datapath::load().expect("load the datapath (root, BTF kernel)");
-            node.ns()
-                .run(|| dp.attach_external(EXTERNAL_DEVICE))
-                .expect("attach XDP");
-            dp
-        })
+    let started = Instant::now();
+    let agents: Vec<_> = (0..2)
+        .map(|i| cluster.start_agent(&agent_bin, i, &manifests, &[]))
         .collect();
-    println!("datapath attached (XDP) to {EXTERNAL_DEVICE} of node1 and node2\n");
-
-    let (pa, pb) = (&cluster.pods[a], &cluster.pods[b]);
-    let tcp_b = EchoServer::tcp(&pb.ns, &pb.name, SocketAddrV4::new(pb.ip, 8080));
-    let udp_b = EchoServer::udp(&pb.ns, &pb.name, SocketAddrV4::new(pb.ip, 5353));
-    let node1 = &cluster.nodes[0];
-    let tcp_node1 = EchoServer::tcp(node1.ns(), &node1.name, SocketAddrV4::new(node1.ip(), 9000));
-
-    for _ in 0..5 {
-        let r = tcp_request(&cluster.client.ns, tcp_node1.addr, "hello").expect("client -> node1");
-        assert_eq!(r.server, "node1");
-    }
     println!(
-        "client -> node1:9000/tcp        5 requests ok (node1 saw {})",
-        cluster.client.ip
+        "agents running on node1 and node2, synced in {:.1} s (Services: web, web-local, empty)\n",
+        started.elapsed().as_secs_f64()
     );
-    for _ in 0..5 {
-        let r = tcp_request(&pa.ns, tcp_b.addr, "hello").expect("web-a -> web-b");
-        assert_eq!(r.server, pb.name);
-    }
-    println!("web-a -> web-b:8080/tcp         5 requests ok, across nodes");
-    for _ in 0..5 {
-        udp_request(&pa.ns, udp_b.addr, "query").expect("web-a -> web-b udp");
-    }
-    println!("web-a -> web-b:5353/udp         5 requests ok, across nodes\n");
 
-    println!(
-        "{:<8} {:>10} {:>10} {:>10}",
-        "node", "counter", "packets", "bytes"
-    );
-    for (node, dp) in cluster.nodes.iter().zip(&datapaths) {
-        let c = dp.maps().received(Hook::XdpIngress).expect("read counters");
-        println!(
-            "{:<8} {:>10} {:>10} {:>10}",
-            node.name, "xdp rx", c.packets, c.bytes
-        );
-        let c = dp
-            .maps()
-            .hook_counter(Hook::XdpIngress, Event::Pass)
-            .expect("read counters");
-        println!(
-            "{:<8} {:>10} {:>10} {:>10}",
-            node.name, "xdp pass", c.packets, c.bytes
+    let tester = &cluster.pod("tester").ns;
+    let show = |what: &str, r: std::io::Result<String>| match r {
+        Ok(body) => println!("  {what:<46} -> {body}"),
+        Err(e) => println!("  {what:<46} -> error: {e}"),
+    };
+    println!("ClusterIP {CLUSTER_IP}:80 from pod tester (no SNAT: the backend sees the pod):");
+    for _ in 0..4 {
+        show(
+            "GET http://10.96.0.10/",
+            http_get(tester, SocketAddrV4::new(CLUSTER_IP, 80)),
         );
     }
-    datapaths.clear();
-    println!("\ndone: sandbox removed");
+    println!("NodePort 30080 from the external client (eTP=Cluster: SNAT to the node):");
+    for node in &cluster.nodes {
+        let dst = SocketAddrV4::new(node.ip(), 30080);
+        show(&format!("GET http://{dst}/"), http_get(&cluster.client.ns, dst));
+    }
+    println!("LoadBalancer {LB_IP} with externalTrafficPolicy: Local (the client address is kept):");
+    show(
+        &format!("GET http://{LB_IP}/"),
+        http_get(&cluster.client.ns, SocketAddrV4::new(LB_IP, 80)),
+    );
+    println!("Service without endpoints ({EMPTY_IP}:80), from pod tester:");
+    let t = Instant::now();
+    match TcpClient::connect(tester, SocketAddrV4::new(EMPTY_IP, 80)) {
+        Ok(_) => println!("  connect                                        -> unexpectedly connected"),
+        Err(e) => println!(
+            "  connect                                        -> {e} after {:.1} ms (ICMP port-unreachable)",
+            t.elapsed().as_secs_f64() * 1000.0
+        ),
+    }
+    let inspect = std::process::Command::new(&agent_bin)
+        .arg("inspect")
+        .arg("--bpffs-dir")
+        .arg(cluster.bpffs.path().join("node1"))
+        .arg("services")
+        .output()
+        .expect("inspect");
+    println!(
+        "\ndataplane-agent inspect services (node1):\n{}",
+        String::from_utf8_lossy(&inspect.stdout)
+    );
+
+    if keep {
+        let n1 = cluster.nodes[0].ns().name().to_owned();
+        println!("The sandbox stays up; Ctrl-C removes it. Try:");
+        println!(
+            "  ip netns exec {} {agent_bin} inspect --bpffs-dir {}/node1 conntrack",
+            n1,
+            cluster.bpffs.path().display()
+        );
+        println!(
+            "  {agent_bin} trace --live --bpffs-dir {}/node1 --node-name node1 --node-ip {} \\",
+            cluster.bpffs.path().display(),
+            cluster.nodes[0].ip()
+        );
+        println!(
+            "      --cluster-cidr 10.244.0.0/16 --from external --src 203.0.113.9 --dst {LB_IP}:80 --proto tcp"
+        );
+        println!(
+            "  edit the manifests in {} (the agents reload them)",
+            manifests.path().display()
+        );
+        println!(
+            "  ip netns exec {} bash   # a shell on the external client",
+            cluster.client.ns.name()
+        );
+        loop {
+            std::thread::park();
+        }
+    }
+    drop(agents);
+    drop(servers);
+    drop(cluster);
+    println!("done: sandbox removed");
 }
