@@ -13,7 +13,8 @@ pub enum Mode {
 }
 
 /// Debian packages: LLVM 22 for bpf-linker; iproute2 and ethtool for the
-/// network-namespace sandbox.
+/// network-namespace sandbox; iptables and nftables for the benchmarks
+/// against kube-proxy's rule sets.
 const DEBIAN_PACKAGES: &[&str] = &[
     "llvm-22-dev",
     "libpolly-22-dev",
@@ -21,6 +22,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "libzstd-dev",
     "iproute2",
     "ethtool",
+    "iptables",
+    "nftables",
 ];
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 const NIGHTLY: &str = "nightly";

@@ -16,8 +16,10 @@
 use std::{
     fmt::Write as _,
     net::{Ipv4Addr, SocketAddrV4},
-    time::Instant,
+    time::{Duration, Instant},
 };
+
+mod kube_proxy;
 
 use aya::programs::{TestRun as _, TestRunOptions, Xdp};
 use dataplane_agent::{
@@ -40,9 +42,21 @@ const REPEAT: u32 = 200_000;
 const NEW_FLOWS_PER_ROUND: u16 = 3_000;
 
 fn main() {
-    let sizes: Vec<u32> = match std::env::args().nth(1).as_deref() {
-        Some("--quick") => vec![1, 1_000],
-        _ => vec![1, 1_000, 10_000, 100_000],
+    let quick = std::env::args().any(|a| a == "--quick");
+    let sizes: Vec<u32> = if quick {
+        vec![1, 1_000]
+    } else {
+        vec![1, 1_000, 10_000, 100_000]
+    };
+    let (e2e_sizes, e2e_rounds, e2e_duration) = if quick {
+        (vec![100], 1, Duration::from_secs(1))
+    } else {
+        (vec![100, 1_000, 10_000], 3, Duration::from_secs(3))
+    };
+    let control_sizes: Vec<u32> = if quick {
+        vec![1_000]
+    } else {
+        vec![1_000, 10_000, 100_000]
     };
     dataplane_tests::require_privileges();
     let mut rows = Vec::new();
@@ -57,13 +71,27 @@ fn main() {
             measure_connect(n)
         })
         .collect();
+    let e2e = kube_proxy::e2e(&e2e_sizes, e2e_rounds, e2e_duration);
+    let control: Vec<kube_proxy::ControlRow> = control_sizes
+        .iter()
+        .map(|&n| {
+            eprintln!("bench: control plane, {n} services x 10 endpoints");
+            // 100k Services x 10 endpoints is 1.1M chains for the rule sets.
+            kube_proxy::control(n, n <= 10_000)
+        })
+        .collect();
     let machine = machine();
     let mut md = render(&machine, &rows);
     render_connect(&mut md, &connect);
+    kube_proxy::render(&mut md, &e2e, &control, e2e_duration, e2e_rounds);
     print!("{md}");
     let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
     std::fs::write(out.join("benchmarks.md"), &md).expect("write docs/benchmarks.md");
-    std::fs::write(out.join("bench-results.json"), json(&machine, &rows)).expect("write results");
+    let mut results = json(&machine, &rows);
+    results.truncate(results.trim_end().len() - 1);
+    results.push_str(&kube_proxy::json(&e2e, &control));
+    results.push_str("}\n");
+    std::fs::write(out.join("bench-results.json"), results).expect("write results");
     eprintln!("bench: wrote docs/benchmarks.md and docs/bench-results.json");
 }
 
