@@ -16,6 +16,7 @@ pub mod fake_api;
 pub mod netns;
 pub mod packet;
 pub mod services;
+pub mod testrun;
 
 use std::sync::{
     Once,

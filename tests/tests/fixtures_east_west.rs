@@ -7,16 +7,13 @@ use std::{
     time::Duration,
 };
 
-use aya::programs::{SchedClassifier, TestRun as _, TestRunOptions, Xdp};
-use dataplane_agent::{
-    dataplane::{Datapath, DatapathConfig, LoadOptions},
-    net::Protocol,
-    state::{desired, diff::Programmer, model::NodeContext},
-};
+use aya::programs::{SchedClassifier, Xdp};
+use dataplane_agent::{dataplane::Datapath, net::Protocol};
 use dataplane_common::names;
 use dataplane_tests::{
     packet::{Frame, ICMP, TCP_ACK, TCP_SYN, parse_and_verify},
     services::{TestEndpoint, TestService},
+    testrun::{fixture_datapath, run},
 };
 
 const TC_ACT_OK: u32 = 0;
@@ -37,19 +34,6 @@ fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
 }
 
 fn datapath() -> Datapath {
-    dataplane_tests::require_privileges();
-    let opts = LoadOptions {
-        max_services: 64,
-        max_backends: 64,
-        max_service_entries: 1024,
-        ct_entries: 4096,
-        affinity_entries: 64,
-    };
-    let mut dp = Datapath::load_with(&opts).expect("load datapath");
-    let mut config = DatapathConfig::new(NODE);
-    config.cluster_cidr = Some("10.244.0.0/16".parse().unwrap());
-    config.service_cidrs = vec!["10.96.0.0/16".parse().unwrap()];
-    dp.maps_mut().set_config(&config).unwrap();
     let services = [
         TestService::new(1, "web", Protocol::Tcp, 80)
             .cluster_ip(CIP)
@@ -70,44 +54,17 @@ fn datapath() -> Datapath {
             |s, i| s.endpoint(TestEndpoint::ready(Ipv4Addr::new(10, 244, 2, 100 + i), 8080, 1)),
         ),
     ];
-    let ports: Vec<_> = services.iter().map(|s| (s.id, s.for_node(0))).collect();
-    let node = NodeContext {
-        node_port_addresses: vec![NODE],
-        node_ips: vec![NODE],
-    };
-    let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &node);
-    Programmer::new(opts.max_backends)
-        .sync(dp.maps_mut(), &table)
-        .unwrap();
-    dp
+    fixture_datapath(NODE, &services)
 }
 
 fn run_tc(prog: &SchedClassifier, input: &[u8]) -> (u32, Vec<u8>) {
-    let mut out = vec![0u8; input.len() + 256];
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat: 1,
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    out.truncate(r.data_size_out as usize);
-    (r.return_value, out)
+    let (v, out, _) = run(prog, input, 1);
+    (v, out)
 }
 
 fn run_xdp(prog: &Xdp, input: &[u8]) -> (u32, Vec<u8>) {
-    let mut out = vec![0u8; input.len() + 256];
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat: 1,
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    out.truncate(r.data_size_out as usize);
-    (r.return_value, out)
+    let (v, out, _) = run(prog, input, 1);
+    (v, out)
 }
 
 #[test]

@@ -4,16 +4,12 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
-use aya::programs::{TestRun as _, TestRunOptions};
-use dataplane_agent::{
-    dataplane::{Datapath, DatapathConfig, LoadOptions},
-    net::Protocol,
-    state::{desired, diff::Programmer, model::NodeContext},
-};
+use dataplane_agent::{dataplane::Datapath, net::Protocol};
 use dataplane_common::stats::Event;
 use dataplane_tests::{
     packet::{Frame, ICMP, TCP_ACK, TCP_SYN, parse_and_verify},
     services::{TestEndpoint, TestService},
+    testrun::{self, fixture_datapath},
 };
 
 const XDP_DROP: u32 = 1;
@@ -35,19 +31,6 @@ fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
 
 /// A datapath (nothing attached) holding the fixture services, as node1.
 fn datapath() -> Datapath {
-    dataplane_tests::require_privileges();
-    let opts = LoadOptions {
-        max_services: 64,
-        max_backends: 64,
-        max_service_entries: 1024,
-        ct_entries: 4096,
-        affinity_entries: 64,
-    };
-    let mut dp = Datapath::load_with(&opts).expect("load datapath");
-    let mut config = DatapathConfig::new(NODE);
-    config.cluster_cidr = Some("10.244.0.0/16".parse().unwrap());
-    config.service_cidrs = vec!["10.96.0.0/16".parse().unwrap()];
-    dp.maps_mut().set_config(&config).unwrap();
     let local = |port| TestEndpoint::ready(LOCAL_POD, port, 0);
     let remote = |port| TestEndpoint::ready(REMOTE_POD, port, 1);
     let services = [
@@ -79,34 +62,13 @@ fn datapath() -> Datapath {
             |svc, i| svc.endpoint(TestEndpoint::ready(Ipv4Addr::new(10, 244, 2, 20 + i), 8080, 1)),
         ),
     ];
-    let ports: Vec<_> = services.iter().map(|s| (s.id, s.for_node(0))).collect();
-    let node = NodeContext {
-        node_port_addresses: vec![NODE],
-        node_ips: vec![NODE],
-    };
-    let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &node);
-    assert!(table.problems.is_empty(), "{:?}", table.problems);
-    Programmer::new(opts.max_backends)
-        .sync(dp.maps_mut(), &table)
-        .unwrap();
-    dp
+    fixture_datapath(NODE, &services)
 }
 
 /// Runs one frame through `xdp_ingress`: (verdict, output frame).
 fn run(dp: &Datapath, input: &[u8]) -> (u32, Vec<u8>) {
-    let mut out = vec![0u8; input.len() + 512];
-    let r = dp
-        .xdp()
-        .unwrap()
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat: 1,
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    out.truncate(r.data_size_out as usize);
-    (r.return_value, out)
+    let (v, out, _) = testrun::run(dp.xdp().unwrap(), input, 1);
+    (v, out)
 }
 
 /// What a fixture expects.

@@ -21,7 +21,7 @@ use std::{
 
 mod kube_proxy;
 
-use aya::programs::{TestRun as _, TestRunOptions, Xdp};
+use aya::programs::Xdp;
 use dataplane_agent::{
     dataplane::{Datapath, DatapathConfig, LoadOptions},
     net::Protocol,
@@ -219,7 +219,7 @@ fn measure(n: u32) -> Row {
         TCP_ACK,
     )
     .build();
-    run_tc(pod_in, &ew_established, 1);
+    run(pod_in, &ew_established, 1);
     let (mut tf, mut te, mut tfs, mut tn) = (vec![], vec![], vec![], vec![]);
     let (mut fr, mut fs, mut ns, mut es, mut nf) = (vec![], vec![], vec![], vec![], vec![]);
     let mut next_port: u16 = 1024;
@@ -243,11 +243,11 @@ fn measure(n: u32) -> Row {
         fs.push(floor_sum / NEW_FLOWS_PER_ROUND as f64);
         nf.push(new_sum / NEW_FLOWS_PER_ROUND as f64);
         // East-west (TC on the pod's interface), its own floor.
-        tf.push(run_tc(tc_floor, &ew_established, REPEAT));
-        te.push(run_tc(pod_in, &ew_established, REPEAT));
+        tf.push(run(tc_floor, &ew_established, REPEAT));
+        te.push(run(pod_in, &ew_established, REPEAT));
         let (mut floor_sum, mut new_sum) = (0.0, 0.0);
         for _ in 0..NEW_FLOWS_PER_ROUND {
-            floor_sum += run_tc(tc_floor, &ew_established, 1);
+            floor_sum += run(tc_floor, &ew_established, 1);
             let syn = Frame::tcp(
                 SocketAddrV4::new(POD, next_port),
                 SocketAddrV4::new(EW_NEW, 80),
@@ -255,7 +255,7 @@ fn measure(n: u32) -> Row {
             )
             .build();
             next_port = next_port.wrapping_add(1).max(1024);
-            new_sum += run_tc(pod_in, &syn, 1);
+            new_sum += run(pod_in, &syn, 1);
         }
         tfs.push(floor_sum / NEW_FLOWS_PER_ROUND as f64);
         tn.push(new_sum / NEW_FLOWS_PER_ROUND as f64);
@@ -411,32 +411,16 @@ fn program<'a>(dp: &'a Datapath, name: &'static str) -> &'a Xdp {
     dp.xdp_program(name).expect("program")
 }
 
-/// The same, for a TC program (the kernel builds an skb from the frame).
-fn run_tc(prog: &aya::programs::SchedClassifier, input: &[u8], repeat: u32) -> f64 {
-    let mut out = vec![0u8; input.len() + 256];
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat,
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    r.duration.as_nanos() as f64
-}
-
-/// Average ns per run as the kernel measured it.
-fn run(prog: &Xdp, input: &[u8], repeat: u32) -> f64 {
-    let mut out = vec![0u8; input.len() + 256];
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat,
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
-    r.duration.as_nanos() as f64
+/// Average ns per run as the kernel measured it (XDP or TC: for TC the
+/// kernel builds an skb from the frame).
+fn run<P>(prog: &P, input: &[u8], repeat: u32) -> f64
+where
+    P: for<'a> aya::programs::TestRun<
+            Opts<'a> = aya::programs::TestRunOptions<'a>,
+            Result = aya::programs::TestRunResult,
+        >,
+{
+    dataplane_tests::testrun::run(prog, input, repeat).2.as_nanos() as f64
 }
 
 fn machine() -> String {
