@@ -66,6 +66,12 @@ pub struct EchoServer {
 impl EchoServer {
     /// Starts a TCP echo server named `name` listening on `addr` in `ns`.
     pub fn tcp(ns: &NetNs, name: &str, addr: SocketAddrV4) -> Self {
+        Self::tcp_with(ns, name, addr, serve_tcp)
+    }
+
+    /// A TCP server on `addr` in `ns` running `serve(name, connection)` on
+    /// a thread per connection.
+    fn tcp_with(ns: &NetNs, name: &str, addr: SocketAddrV4, serve: fn(&str, TcpStream)) -> Self {
         let listener = ns
             .run(|| TcpListener::bind(addr))
             .unwrap_or_else(|e| panic!("bind tcp {addr} in {}: {e}", ns.name()));
@@ -79,7 +85,7 @@ impl EchoServer {
                 }
                 let Ok(conn) = conn else { continue };
                 let name = name.clone();
-                std::thread::spawn(move || serve_tcp(&name, conn));
+                std::thread::spawn(move || serve(&name, conn));
             }
         });
         Self {
@@ -230,50 +236,32 @@ pub struct HttpServer {
 
 impl HttpServer {
     pub fn start(ns: &NetNs, name: &str, addr: SocketAddrV4) -> Self {
-        let listener = ns
-            .run(|| TcpListener::bind(addr))
-            .unwrap_or_else(|e| panic!("bind http {addr} in {}: {e}", ns.name()));
-        let fd = listener.as_raw_fd();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (name, stop2) = (name.to_owned(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                if stop2.load(Ordering::Relaxed) {
-                    break;
-                }
-                let Ok(conn) = conn else { continue };
-                let name = name.clone();
-                std::thread::spawn(move || {
-                    let Ok(peer) = conn.peer_addr() else { return };
-                    let mut reader = BufReader::new(&conn);
-                    let mut line = String::new();
-                    while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
-                        line.clear();
-                    }
-                    let body = format!("{name} saw {peer}\n");
-                    let _ = (&conn).write_all(
-                        format!(
-                            "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                            body.len()
-                        )
-                        .as_bytes(),
-                    );
-                });
-            }
-        });
         Self {
-            inner: EchoServer {
-                addr,
-                stop,
-                fd,
-                thread: Some(thread),
-            },
+            inner: EchoServer::tcp_with(ns, name, addr, serve_http),
         }
     }
 
     pub fn addr(&self) -> SocketAddrV4 {
         self.inner.addr
     }
+}
+
+fn serve_http(name: &str, conn: TcpStream) {
+    let Ok(peer) = conn.peer_addr() else { return };
+    let mut reader = BufReader::new(&conn);
+    let mut line = String::new();
+    // The request line and headers, up to the empty line.
+    while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+        line.clear();
+    }
+    let body = format!("{name} saw {peer}\n");
+    let _ = (&conn).write_all(
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    );
 }
 
 /// GET / from `ns`; the response body.
