@@ -175,57 +175,29 @@ fn add_service_port(table: &mut DesiredTable, id: u32, sp: &ServicePort, node: &
             ..base.clone()
         }
     };
-    if let Some(node_port) = sp.node_port {
-        for &addr in &node.node_port_addresses {
+    let ranges = &sp.load_balancer_source_ranges;
+    let node_ports = sp
+        .node_port
+        .map(|p| (FrontendKind::NodePort, &node.node_port_addresses, p));
+    let destinations = node_ports.into_iter().chain([
+        (FrontendKind::ExternalIp, &sp.external_ips, sp.port),
+        (FrontendKind::LoadBalancer, &sp.load_balancer_ips, sp.port),
+    ]);
+    for (kind, addrs, port) in destinations {
+        for &addr in addrs {
             let entry = FrontendEntry {
-                kind: FrontendKind::NodePort,
+                kind,
+                // As kube-proxy: the ranges guard LB IPs only.
+                source_ranges: kind == FrontendKind::LoadBalancer && !ranges.is_empty(),
                 ..external.clone()
             };
-            insert(
-                table,
-                sp,
-                Frontend {
-                    addr,
-                    port: node_port,
-                    proto: sp.proto,
-                },
-                entry,
-            );
+            let fe = Frontend {
+                addr,
+                port,
+                proto: sp.proto,
+            };
+            insert(table, sp, fe, entry);
         }
-    }
-    for &addr in &sp.external_ips {
-        let entry = FrontendEntry {
-            kind: FrontendKind::ExternalIp,
-            ..external.clone()
-        };
-        insert(
-            table,
-            sp,
-            Frontend {
-                addr,
-                port: sp.port,
-                proto: sp.proto,
-            },
-            entry,
-        );
-    }
-    let ranges = &sp.load_balancer_source_ranges;
-    for &addr in &sp.load_balancer_ips {
-        let entry = FrontendEntry {
-            kind: FrontendKind::LoadBalancer,
-            source_ranges: !ranges.is_empty(),
-            ..external.clone()
-        };
-        insert(
-            table,
-            sp,
-            Frontend {
-                addr,
-                port: sp.port,
-                proto: sp.proto,
-            },
-            entry,
-        );
     }
     if !ranges.is_empty() && !sp.load_balancer_ips.is_empty() {
         table.source_ranges.extend(ranges.iter().map(|r| (id, *r)));

@@ -227,38 +227,29 @@ fn measure(n: u32) -> Row {
         fr.push(run(floor, &non_service, REPEAT));
         ns.push(run(ingress, &non_service, REPEAT));
         es.push(run(ingress, &established, REPEAT));
-        // repeat = 1: per call, the floor and new flows alternating.
-        let (mut floor_sum, mut new_sum) = (0.0, 0.0);
-        for _ in 0..NEW_FLOWS_PER_ROUND {
-            floor_sum += run(floor, &non_service, 1);
-            let syn = Frame::tcp(
-                SocketAddrV4::new(CLIENT, next_port),
+        let (floor_ns, new_ns) = new_flows(floor, &non_service, ingress, &mut next_port, |port| {
+            Frame::tcp(
+                SocketAddrV4::new(CLIENT, port),
                 SocketAddrV4::new(NODE, 30081),
                 TCP_SYN,
             )
-            .build();
-            next_port = next_port.wrapping_add(1).max(1024);
-            new_sum += run(ingress, &syn, 1);
-        }
-        fs.push(floor_sum / NEW_FLOWS_PER_ROUND as f64);
-        nf.push(new_sum / NEW_FLOWS_PER_ROUND as f64);
+            .build()
+        });
+        fs.push(floor_ns);
+        nf.push(new_ns);
         // East-west (TC on the pod's interface), its own floor.
         tf.push(run(tc_floor, &ew_established, REPEAT));
         te.push(run(pod_in, &ew_established, REPEAT));
-        let (mut floor_sum, mut new_sum) = (0.0, 0.0);
-        for _ in 0..NEW_FLOWS_PER_ROUND {
-            floor_sum += run(tc_floor, &ew_established, 1);
-            let syn = Frame::tcp(
-                SocketAddrV4::new(POD, next_port),
+        let (floor_ns, new_ns) = new_flows(tc_floor, &ew_established, pod_in, &mut next_port, |port| {
+            Frame::tcp(
+                SocketAddrV4::new(POD, port),
                 SocketAddrV4::new(EW_NEW, 80),
                 TCP_SYN,
             )
-            .build();
-            next_port = next_port.wrapping_add(1).max(1024);
-            new_sum += run(pod_in, &syn, 1);
-        }
-        tfs.push(floor_sum / NEW_FLOWS_PER_ROUND as f64);
-        tn.push(new_sum / NEW_FLOWS_PER_ROUND as f64);
+            .build()
+        });
+        tfs.push(floor_ns);
+        tn.push(new_ns);
     }
     Row {
         services: n,
@@ -409,6 +400,33 @@ fn render_connect(md: &mut String, rows: &[ConnectRow]) {
 
 fn program<'a>(dp: &'a Datapath, name: &'static str) -> &'a Xdp {
     dp.xdp_program(name).expect("program")
+}
+
+/// (floor, program) mean ns over NEW_FLOWS_PER_ROUND alternating single
+/// runs (repeat = 1), each program run a new flow from a fresh source port.
+fn new_flows<P>(
+    floor: &P,
+    floor_input: &[u8],
+    prog: &P,
+    next_port: &mut u16,
+    frame: impl Fn(u16) -> Vec<u8>,
+) -> (f64, f64)
+where
+    P: for<'a> aya::programs::TestRun<
+            Opts<'a> = aya::programs::TestRunOptions<'a>,
+            Result = aya::programs::TestRunResult,
+        >,
+{
+    let (mut floor_sum, mut new_sum) = (0.0, 0.0);
+    for _ in 0..NEW_FLOWS_PER_ROUND {
+        floor_sum += run(floor, floor_input, 1);
+        new_sum += run(prog, &frame(*next_port), 1);
+        *next_port = next_port.wrapping_add(1).max(1024);
+    }
+    (
+        floor_sum / NEW_FLOWS_PER_ROUND as f64,
+        new_sum / NEW_FLOWS_PER_ROUND as f64,
+    )
 }
 
 /// Average ns per run as the kernel measured it (XDP or TC: for TC the
