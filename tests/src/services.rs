@@ -143,12 +143,22 @@ impl TestService {
 /// The datapath of one sandbox node, with the agent's programmer.
 pub struct NodeDatapath {
     pub datapath: Datapath,
+    /// The config written at start; change it and [`NodeDatapath::reconfigure`].
+    pub config: DatapathConfig,
     pub programmer: Programmer,
     pub node: usize,
     pub node_ip: Ipv4Addr,
 }
 
 impl NodeDatapath {
+    /// Writes `self.config` again (after a change).
+    pub fn reconfigure(&mut self) {
+        self.datapath
+            .maps_mut()
+            .set_config(&self.config)
+            .expect("write config");
+    }
+
     /// Programs exactly `services` (anything else programmed before is
     /// removed), as the agent's sync does.
     pub fn program(&mut self, services: &[&TestService]) {
@@ -209,8 +219,11 @@ impl Cluster {
         let mut config = DatapathConfig::new(n.ip());
         config.cluster_cidr = Some(CLUSTER_CIDR.parse::<Ipv4Cidr>().unwrap());
         config.service_cidrs = vec![SERVICE_CIDR.parse().unwrap()];
+        // The node's own namespace is the "host" of connect-time translation.
+        config.host_netns_cookie = n.ns().run(dataplane_agent::dataplane::current_netns_cookie);
         datapath.maps_mut().set_config(&config).expect("write config");
         NodeDatapath {
+            config,
             datapath,
             programmer: Programmer::new(opts.max_backends),
             node,

@@ -325,3 +325,62 @@ fn large_segments_whose_payload_is_not_linear_are_translated() {
         );
     }
 }
+
+/// Like `host_client`, for a process in `pod`'s network namespace that is in
+/// node `node`'s cgroup (a pod whose cgroup is under the node's, as on a
+/// real node where connect-time hooks sit at the cgroup root).
+fn pod_process_in_node_cgroup(
+    s: &Sandbox,
+    pod: &str,
+    node: usize,
+    dst: SocketAddrV4,
+) -> Result<(String, String), String> {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sockclient"))
+        .arg(s.cluster.pod(pod).ns.path())
+        .arg(s.cluster.nodes[node].cgroup.procs())
+        .args(["tcp", &dst.to_string()])
+        .output()
+        .expect("run sockclient");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).map(str::to_owned);
+    match (field("peer="), field("reply=")) {
+        (Some(p), Some(r)) => Ok((p, r)),
+        _ => Err(text),
+    }
+}
+
+#[test]
+fn socket_lb_host_only_leaves_pods_to_per_packet_translation() {
+    use dataplane_common::stats::Hook;
+    let mut s = Sandbox::new();
+    let svc = s.svc(1, &["a", "b"]);
+    s.program(&[&svc]);
+    let dst = SocketAddrV4::new(CIP, 80);
+    let count = |s: &Sandbox, hook| {
+        s.nodes[0]
+            .datapath
+            .maps()
+            .hook_counter(hook, Event::NewFlow)
+            .unwrap()
+            .packets
+    };
+
+    // Without the flag, a pod's socket in the cgroup is translated at connect().
+    let before = count(&s, Hook::Socket);
+    pod_process_in_node_cgroup(&s, "client", 0, dst).expect("pod, connect-time");
+    assert_eq!(count(&s, Hook::Socket), before + 1);
+
+    // With it, only the node's own sockets are; the pod's flow is translated
+    // per packet by tc_pod_ingress (what service meshes that redirect per
+    // packet need), and still works.
+    s.nodes[0].config.socket_lb_host_only = true;
+    s.nodes[0].reconfigure();
+    let (sock, tc) = (count(&s, Hook::Socket), count(&s, Hook::TcPodIngress));
+    let (peer, _) = pod_process_in_node_cgroup(&s, "client", 0, dst).expect("pod, per packet");
+    assert_eq!(peer, dst.to_string());
+    assert_eq!(count(&s, Hook::Socket), sock, "not translated at connect()");
+    assert_eq!(count(&s, Hook::TcPodIngress), tc + 1, "translated per packet");
+    // The node's own processes still are.
+    host_client(&s, 0, "tcp", dst).expect("host, connect-time");
+    assert_eq!(count(&s, Hook::Socket), sock + 1);
+}

@@ -24,7 +24,7 @@ use aya::{
 use dataplane_common::{limits, names};
 pub use maps::{
     Backend, BackendId, BackendSet, DatapathConfig, EmptyVerdict, Frontend, FrontendEntry, FrontendKind,
-    LbMaps, MapTable, ServicePortName,
+    LbMaps, MapTable, ServicePortName, current_netns_cookie,
 };
 pub use pins::PinDir;
 
