@@ -68,8 +68,8 @@ fn sweep_orphans() {
 }
 
 /// Stops this process's child processes (agents) and deletes every
-/// namespace, bpffs directory and cgroup it created; for a signal handler
-/// that exits without unwinding.
+/// namespace, bpffs directory, cgroup and temporary file it created; for a
+/// signal handler that exits without unwinding.
 pub fn remove_own() {
     let me = std::process::id().to_string();
     if let Ok(procs) = std::fs::read_dir("/proc") {
@@ -109,6 +109,14 @@ fn remove_matching(matches: impl Fn(&str) -> bool) {
         for entry in dir.flatten() {
             if entry.file_name().to_str().is_some_and(&matches) {
                 let _ = std::fs::remove_dir_all(entry.path());
+            }
+        }
+    }
+    // Manifests directories and agent logs.
+    if let Ok(dir) = std::fs::read_dir(std::env::temp_dir()) {
+        for entry in dir.flatten() {
+            if entry.file_name().to_str().is_some_and(&matches) {
+                let _ = std::fs::remove_dir_all(entry.path()).or_else(|_| std::fs::remove_file(entry.path()));
             }
         }
     }
