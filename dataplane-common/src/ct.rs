@@ -1,54 +1,168 @@
-//! Connection tracking: one LRU map; a flow has an entry per place a hook
-//! sees it (two without SNAT, four with), each keyed by the tuple as that
-//! hook sees the packet and holding the tuple the packet ends up with.
-//! Ingress hooks rewrite destinations, egress hooks sources. A flow is
-//! translated once; every later packet (and every reply) is an exact-match
-//! lookup.
+//! Connection tracking: one LRU map of entries keyed by a 5-tuple as a hook
+//! sees the packet, each holding the tuple the packet ends up with.
+//!
+//! Destinations are rewritten where packets enter the node (ingress hooks),
+//! sources where they leave it (egress hooks), as netfilter does in
+//! PREROUTING and POSTROUTING. A flow has two entries:
+//!
+//! | role      | key (as seen)                                 | hook    | rewrites             |
+//! |-----------|-----------------------------------------------|---------|----------------------|
+//! | `FWD_IN`  | client → frontend                             | ingress | dst → backend        |
+//! | `REP_IN`  | backend → node : SNAT port (masqueraded flows)| ingress | dst → client         |
+//! | `REP_OUT` | backend → client (flows kept unmasqueraded)   | egress  | src → frontend       |
+//!
+//! A masqueraded flow's SNAT port is a hash of the client's address and port
+//! (`snat_port_hash`), so egress hooks find its `REP_IN` entry from the
+//! packet alone: forward packets (client → backend) get the node's address
+//! and that port as source, replies (backend → client) the frontend's. When
+//! the hashed port is held by a live flow to the same backend, another port
+//! is taken and the flow gets explicit egress entries (`FWD_OUT`: client →
+//! backend, src → node : port; `REP_OUT`: backend → client), flagged
+//! [`ct_flags::EXPLICIT`].
+//!
+//! The flow's state (TCP FIN/RST, whether a reply was seen) lives in the
+//! `FWD_IN` entry and in the *owner*: the entry the flow's replies hit
+//! first (`REP_IN` when masqueraded, `REP_OUT` otherwise). Each of the two
+//! can compute the other's key (the reverse of its own translated tuple), so
+//! a state change or a refresh seen by one is written to both.
 
+use crate::addr::{Addr, Ip6};
+
+/// A 5-tuple as a hook sees it. Addresses and ports in network order.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Ct4Key {
-    /// Network order.
-    pub saddr: u32,
-    pub daddr: u32,
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CtKey<A> {
+    pub saddr: A,
+    pub daddr: A,
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
     pub _pad: [u8; 3],
 }
+pub type Ct4Key = CtKey<u32>;
+pub type Ct6Key = CtKey<Ip6>;
 crate::assert_layout!(Ct4Key, 16, 4);
+crate::assert_layout!(Ct6Key, 40, 4);
+
+impl<A: Addr> CtKey<A> {
+    /// The key of the packets flowing the other way.
+    #[inline(always)]
+    pub fn reversed(&self) -> Self {
+        Self {
+            saddr: self.daddr,
+            daddr: self.saddr,
+            sport: self.dport,
+            dport: self.sport,
+            proto: self.proto,
+            _pad: [0; 3],
+        }
+    }
+}
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Ct4Entry {
-    /// `bpf_ktime_get_coarse_ns` when a packet last used the entry (refreshed at
-    /// most once per second).
+pub struct CtEntry<A> {
+    /// `bpf_ktime_get_coarse_ns` when a packet of the flow last used it
+    /// (refreshed at most once per second, on both of the flow's state
+    /// entries at once).
     pub last_seen_ns: u64,
     /// The tuple packets end up with (network order); ingress hooks apply the
     /// destination half, egress hooks the source half.
-    pub nat_saddr: u32,
-    pub nat_daddr: u32,
+    pub nat_saddr: A,
+    pub nat_daddr: A,
     pub nat_sport: u16,
     pub nat_dport: u16,
-    pub backend_id: u32,
     pub service_id: u32,
-    /// [`ct_flags`].
-    pub flags: u16,
-    pub _pad: u16,
+    /// [`ct_flags`]: the entry's role, SNAT and EXPLICIT; written once.
+    pub flags: u8,
+    /// The flow's state, one byte per fact ([`state`] indexes), each 0 or 1:
+    /// hooks on different CPUs set different facts at once without locks
+    /// or atomics, since a byte store cannot clobber its neighbours.
+    pub state: [u8; 4],
+    pub _pad: [u8; 3],
 }
+pub type Ct4Entry = CtEntry<u32>;
+pub type Ct6Entry = CtEntry<Ip6>;
 crate::assert_layout!(Ct4Entry, 32, 8);
+crate::assert_layout!(Ct6Entry, 56, 8);
+
+impl<A: Addr> CtEntry<A> {
+    #[inline(always)]
+    pub fn role(&self) -> u8 {
+        self.flags & ct_flags::ROLE_MASK
+    }
+
+    /// The translated tuple, as a key.
+    #[inline(always)]
+    pub fn nat_key(&self, proto: u8) -> CtKey<A> {
+        CtKey {
+            saddr: self.nat_saddr,
+            daddr: self.nat_daddr,
+            sport: self.nat_sport,
+            dport: self.nat_dport,
+            proto,
+            _pad: [0; 3],
+        }
+    }
+
+    #[inline(always)]
+    pub fn has(&self, fact: usize) -> bool {
+        self.state[fact] != 0
+    }
+
+    /// Whether a TCP flow has ended: a RST, or a FIN each way.
+    #[inline(always)]
+    pub fn tcp_closed(&self) -> bool {
+        self.has(state::RST) || (self.has(state::FIN_FWD) && self.has(state::FIN_REP))
+    }
+}
 
 pub mod ct_flags {
-    /// The entry translates replies (backend → client) rather than the
-    /// original direction.
-    pub const REPLY: u16 = 1 << 0;
-    /// The flow was SNATed to the node.
-    pub const SNAT: u16 = 1 << 1;
-    /// A TCP FIN or RST was seen: the short close timeout applies.
-    pub const CLOSING: u16 = 1 << 2;
+    /// Bits 0-1: the entry's role (see the module docs).
+    pub const ROLE_MASK: u8 = 0b11;
+    pub const FWD_IN: u8 = 0;
+    pub const FWD_OUT: u8 = 1;
+    pub const REP_IN: u8 = 2;
+    pub const REP_OUT: u8 = 3;
+    /// The flow is masqueraded (SNAT to the node).
+    pub const SNAT: u8 = 1 << 2;
+    /// Masqueraded with a port other than its hash: explicit egress
+    /// entries exist.
+    pub const EXPLICIT: u8 = 1 << 3;
 }
 
-crate::impl_pod!(Ct4Key, Ct4Entry);
+/// Indexes of [`Ct4Entry::state`].
+pub mod state {
+    /// A FIN was seen from the client side.
+    pub const FIN_FWD: usize = 0;
+    /// A FIN was seen from the backend side.
+    pub const FIN_REP: usize = 1;
+    /// A RST was seen (either way).
+    pub const RST: usize = 2;
+    /// A reply was seen: the flow is established (TCP) or a stream (UDP).
+    pub const REPLIED: usize = 3;
+}
+
+/// SNAT port of a masqueraded flow from `client:port` (network order), in
+/// `[min, max]` (host order): what egress hooks compute to find the flow.
+/// `seed` is a per-node secret kept across agent restarts.
+#[inline(always)]
+pub fn snat_port_hash<A: Addr>(client: A, port: u16, seed: u32, min: u16, max: u16) -> u16 {
+    // A 32-bit finaliser (murmur3 fmix32) over the address and port.
+    let mut h = client.fold() ^ seed ^ ((port as u32) << 16 | port as u32).rotate_left(7);
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
+    let range = (max as u32).wrapping_sub(min as u32).wrapping_add(1);
+    if range == 0 || max < min {
+        return min;
+    }
+    (min as u32 + h % range) as u16
+}
+
+crate::impl_pod_generic!(CtKey, CtEntry);
 
 /// Connect-time translation: which Service address a socket's backend
 /// stands for (getpeername, recvmsg).
@@ -74,3 +188,54 @@ pub struct Sock4RevValue {
 crate::assert_layout!(Sock4RevValue, 8, 4);
 
 crate::impl_pod!(Sock4RevKey, Sock4RevValue);
+
+/// [`Sock4RevKey`] for IPv6 sockets.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Sock6RevKey {
+    pub cookie: u64,
+    /// Backend address and port (network order).
+    pub addr: Ip6,
+    pub port: u16,
+    pub _pad: [u8; 6],
+}
+crate::assert_layout!(Sock6RevKey, 32, 8);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Sock6RevValue {
+    /// Service address and port (network order).
+    pub addr: Ip6,
+    pub port: u16,
+    pub _pad: u16,
+}
+crate::assert_layout!(Sock6RevValue, 20, 4);
+
+crate::impl_pod!(Sock6RevKey, Sock6RevValue);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hashed_ports_stay_in_range_and_spread() {
+        let mut seen = [0u32; 64];
+        for i in 0..100_000u32 {
+            let p = snat_port_hash(
+                0x0a00_0001u32.to_be() ^ i,
+                (40_000 + (i % 20_000)) as u16,
+                7,
+                1024,
+                32767,
+            );
+            assert!((1024..=32767).contains(&p));
+            seen[((p - 1024) as usize * 64) / 31744] += 1;
+        }
+        // Every 1/64th of the range gets between half and twice its share.
+        assert!(
+            seen.iter().all(|&n| n > 100_000 / 128 && n < 100_000 / 32),
+            "{seen:?}"
+        );
+        assert_eq!(snat_port_hash(1, 2, 3, 5000, 5000), 5000);
+    }
+}

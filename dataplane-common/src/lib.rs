@@ -9,10 +9,16 @@
 //! in host order.
 #![no_std]
 
+pub mod addr;
 pub mod config;
 pub mod ct;
-pub mod lb4;
+pub mod filter;
+pub mod lb;
+pub mod sctp;
 pub mod stats;
+
+/// The IPv4 names of [`lb`] (`Lb4ServiceKey`, ...), where they always were.
+pub use lb as lb4;
 
 /// Names of the maps and programs, as they appear in the object file and
 /// under the pin directory. The `_V<n>` suffix is bumped on layout changes.
@@ -21,8 +27,15 @@ pub mod names {
     pub const LB4_BACKENDS: &str = "LB4_BACKENDS_V1";
     pub const LB4_AFFINITY: &str = "LB4_AFFINITY_V1";
     pub const LB4_SOURCE_RANGES: &str = "LB4_SOURCE_RANGES_V1";
-    pub const CT4: &str = "CT4_V1";
-    pub const CONFIG: &str = "DP_CONFIG_V1";
+    pub const CT4: &str = "CT4_V2";
+    pub const CONFIG: &str = "DP_CONFIG_V3";
+    /// Bitmaps of the addresses the hooks act on ([`crate::filter`]).
+    pub const ADDR_FILTER: &str = "DP_ADDR_FILTER_V2";
+    /// Per-CPU SNAT port cursor per backend id (fallback port search).
+    pub const SNAT_CURSORS: &str = "DP_SNAT_CURSORS_V1";
+    /// Per-CPU array of [`crate::stats::Counter`] indexed by
+    /// [`crate::stats::FlowStat`]: what new flows needed.
+    pub const FLOW_STATS: &str = "DP_FLOW_STATS_V1";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by [`crate::stats::Event`].
     pub const COUNTERS: &str = "DP_COUNTERS_V1";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by service id.
@@ -34,9 +47,20 @@ pub mod names {
     /// Socket cookie + backend → Service address (connect-time LB).
     pub const SOCK4_REVNAT: &str = "SOCK4_REVNAT_V1";
 
+    /// IPv6 twins of the maps above.
+    pub const LB6_SERVICES: &str = "LB6_SERVICES_V1";
+    pub const LB6_BACKENDS: &str = "LB6_BACKENDS_V1";
+    pub const LB6_AFFINITY: &str = "LB6_AFFINITY_V1";
+    pub const LB6_SOURCE_RANGES: &str = "LB6_SOURCE_RANGES_V1";
+    pub const CT6: &str = "CT6_V1";
+    pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
+
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 10] = [
+    pub const ALL_MAPS: [&str; 19] = [
         CONFIG,
+        ADDR_FILTER,
+        SNAT_CURSORS,
+        FLOW_STATS,
         LB4_BACKENDS,
         LB4_SERVICES,
         LB4_AFFINITY,
@@ -46,16 +70,30 @@ pub mod names {
         SERVICE_STATS,
         LB4_SERVICE_NAMES,
         SOCK4_REVNAT,
+        LB6_BACKENDS,
+        LB6_SERVICES,
+        LB6_AFFINITY,
+        LB6_SOURCE_RANGES,
+        CT6,
+        SOCK6_REVNAT,
     ];
 
     /// XDP on the node's external devices: north-south translation.
     pub const XDP_INGRESS: &str = "xdp_ingress";
+    /// The same translation in TC ingress, for devices without (fast) XDP:
+    /// veth, or `--xdp-mode off`.
+    pub const TC_INGRESS: &str = "tc_ingress";
     /// cgroup connect4/sendmsg4/recvmsg4/getpeername4: connect-time
     /// translation for the node's own processes (host-network pods, daemons).
     pub const SOCK_CONNECT4: &str = "sock_connect4";
     pub const SOCK_SENDMSG4: &str = "sock_sendmsg4";
     pub const SOCK_RECVMSG4: &str = "sock_recvmsg4";
     pub const SOCK_GETPEERNAME4: &str = "sock_getpeername4";
+    /// The same for IPv6 sockets.
+    pub const SOCK_CONNECT6: &str = "sock_connect6";
+    pub const SOCK_SENDMSG6: &str = "sock_sendmsg6";
+    pub const SOCK_RECVMSG6: &str = "sock_recvmsg6";
+    pub const SOCK_GETPEERNAME6: &str = "sock_getpeername6";
     /// Parse and pass: the benchmarks' floor, and a pass-through for veth
     /// peers (which receive XDP_TX frames only when they run XDP).
     pub const XDP_FLOOR: &str = "xdp_floor";
@@ -72,6 +110,7 @@ pub mod names {
 /// IP protocol numbers the datapath handles.
 pub mod proto {
     pub const ICMP: u8 = 1;
+    pub const ICMPV6: u8 = 58;
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
     pub const SCTP: u8 = 132;
@@ -92,8 +131,9 @@ pub mod limits {
     pub const SOURCE_RANGE_ENTRIES: u32 = 16_384;
     /// Connect-time translations remembered for getpeername/recvmsg.
     pub const SOCK_REVNAT_ENTRIES: u32 = 65_536;
-    /// SNAT ports are tried this many times before a new flow is dropped.
-    pub const SNAT_ATTEMPTS: u32 = 16;
+    /// Ports tried (after the flow's hashed port) before a new flow is
+    /// dropped for want of a SNAT port.
+    pub const SNAT_ATTEMPTS: u32 = 32;
 }
 
 /// Compile-time layout check: `assert_layout!(Type, size, align)`.
@@ -104,6 +144,21 @@ macro_rules! assert_layout {
             assert!(core::mem::size_of::<$t>() == $size);
             assert!(core::mem::align_of::<$t>() == $align);
         };
+    };
+}
+
+/// `unsafe impl aya::Pod` for the family-generic ABI structs, for both
+/// families at once (userspace only): `Addr` is sealed to `u32` and `Ip6`,
+/// and every instance's layout is asserted next to its definition.
+#[macro_export]
+macro_rules! impl_pod_generic {
+    ($($t:ident),+ $(,)?) => {
+        $(
+            #[cfg(feature = "user")]
+            // SAFETY: repr(C) with explicit padding for both instances
+            // (sizes asserted), every bit pattern valid.
+            unsafe impl<A: $crate::addr::Addr + aya::Pod> aya::Pod for $t<A> {}
+        )+
     };
 }
 

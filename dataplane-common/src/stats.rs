@@ -29,10 +29,18 @@ pub enum Hook {
     TcPodIngress = 2,
     /// Connect-time translation (cgroup hooks); counts sockets, not packets.
     Socket = 3,
+    /// `tc_ingress`: the north-south path in TC, on external devices.
+    TcIngress = 4,
 }
 
 impl Hook {
-    pub const ALL: [Hook; 4] = [Hook::XdpIngress, Hook::TcEgress, Hook::TcPodIngress, Hook::Socket];
+    pub const ALL: [Hook; 5] = [
+        Hook::XdpIngress,
+        Hook::TcIngress,
+        Hook::TcEgress,
+        Hook::TcPodIngress,
+        Hook::Socket,
+    ];
 
     pub const fn name(self) -> &'static str {
         match self {
@@ -40,6 +48,7 @@ impl Hook {
             Hook::TcEgress => "tc_egress",
             Hook::TcPodIngress => "tc_pod_ingress",
             Hook::Socket => "socket",
+            Hook::TcIngress => "tc_ingress",
         }
     }
 }
@@ -91,8 +100,8 @@ pub enum Event {
     DropCtFull = 13,
     /// Dropped: frontend points at a missing backend (agent mid-update).
     DropNoBackend = 14,
-    /// Passed: protocol the datapath does not translate (e.g. SCTP port
-    /// rewrite, which needs a CRC32c recompute).
+    /// Reserved: counted SCTP passed untranslated before SCTP was
+    /// translated; kept so that the other slots keep their numbers.
     UnsupportedProto = 15,
     /// A reject could not be built (buffer too small, options): dropped.
     DropRejectFailed = 16,
@@ -158,3 +167,44 @@ impl Event {
 /// Number of slots in [`crate::names::COUNTERS`]: one block per hook, with
 /// room to append events and hooks.
 pub const COUNTER_SLOTS: u32 = 8 * HOOK_STRIDE;
+
+/// What new flows needed, beyond their per-packet event: indexes of
+/// [`crate::names::FLOW_STATS`]. Append-only.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlowStat {
+    /// Masqueraded with its hashed SNAT port (no egress entries).
+    SnatHashed = 0,
+    /// Masqueraded with another port (the hashed one was held by a live
+    /// flow to the same backend): explicit egress entries.
+    SnatFallback = 1,
+    /// A port held by a closed or expired flow was taken over.
+    SnatTakeover = 2,
+    /// A TCP SYN reopened the tuple of a closed flow (new backend choice).
+    Reopened = 3,
+    /// Fallback ports tried and found held by live flows.
+    SnatPortsBusy = 4,
+}
+
+impl FlowStat {
+    pub const ALL: [FlowStat; 5] = [
+        FlowStat::SnatHashed,
+        FlowStat::SnatFallback,
+        FlowStat::SnatTakeover,
+        FlowStat::Reopened,
+        FlowStat::SnatPortsBusy,
+    ];
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            FlowStat::SnatHashed => "snat_hashed_port",
+            FlowStat::SnatFallback => "snat_fallback_port",
+            FlowStat::SnatTakeover => "snat_port_takeover",
+            FlowStat::Reopened => "reopened_closed_flow",
+            FlowStat::SnatPortsBusy => "snat_ports_busy",
+        }
+    }
+}
+
+/// Slots in [`crate::names::FLOW_STATS`].
+pub const FLOW_STAT_SLOTS: u32 = 16;

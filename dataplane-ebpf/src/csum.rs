@@ -12,13 +12,6 @@ pub fn fold(mut sum: u32) -> u16 {
     sum as u16
 }
 
-/// Accumulator delta for replacing the 32-bit word `old` by `new`.
-#[inline(always)]
-pub fn diff32(old: u32, new: u32) -> u32 {
-    let o = !old;
-    (o & 0xffff) + (o >> 16) + (new & 0xffff) + (new >> 16)
-}
-
 /// Accumulator delta for replacing the 16-bit word `old` by `new`.
 #[inline(always)]
 pub fn diff16(old: u16, new: u16) -> u32 {

@@ -1,21 +1,24 @@
-//! Connection tracking: lookups with expiry, entry creation with
-//! collision-safe SNAT port allocation.
+//! Connection tracking (see `dataplane_common::ct` for the entries and their
+//! roles): lookups with state-dependent expiry, the flow's state kept on its
+//! two state entries, and entry creation.
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
-    helpers::{bpf_get_prandom_u32, bpf_ktime_get_coarse_ns},
+    helpers::bpf_ktime_get_coarse_ns,
 };
 use dataplane_common::{
+    addr::Addr,
     config::DpConfig,
-    ct::{Ct4Entry, Ct4Key, ct_flags},
-    lb4::{Lb4Backend, Lb4Service, backend_flags},
-    limits, proto,
+    ct::{CtEntry, CtKey, ct_flags, state},
+    proto,
     stats::Event,
 };
 
 use crate::{
-    maps::{BACKENDS, CT4},
-    packet::{TCP_FIN, TCP_RST},
+    family::Family,
+    flow::Choice,
+    maps::CtScratch,
+    parse::{TCP_FIN, TCP_RST},
 };
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -28,171 +31,299 @@ pub fn now() -> u64 {
     unsafe { bpf_ktime_get_coarse_ns() }
 }
 
+/// Idle timeout of an entry in its flow's current state.
 #[inline(always)]
-fn timeout_ns(cfg: &DpConfig, proto: u8, flags: u16) -> u64 {
+fn timeout_ns<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>) -> u64 {
+    let t = &cfg.timeouts;
     let s = if proto == proto::TCP {
-        if flags & ct_flags::CLOSING != 0 {
-            cfg.ct_tcp_close_timeout_s
+        if e.tcp_closed() {
+            t.tcp_closed
+        } else if e.has(state::FIN_FWD) || e.has(state::FIN_REP) {
+            t.tcp_half_closed
+        } else if e.has(state::REPLIED) {
+            t.tcp_established
         } else {
-            cfg.ct_tcp_timeout_s
+            t.tcp_syn
         }
+    } else if e.has(state::REPLIED) {
+        t.udp
     } else {
-        cfg.ct_udp_timeout_s
+        t.udp_unreplied
     };
     s as u64 * NS_PER_S
 }
 
 #[inline(always)]
-fn expired(cfg: &DpConfig, proto: u8, e: &Ct4Entry, now: u64) -> bool {
-    now.wrapping_sub(e.last_seen_ns) > timeout_ns(cfg, proto, e.flags)
+pub fn expired<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>, now: u64) -> bool {
+    now.wrapping_sub(e.last_seen_ns) > timeout_ns(cfg, proto, e)
+}
+
+/// Whether a new flow may take the entry's tuple over: it expired, or its
+/// TCP connection has ended.
+#[inline(always)]
+pub fn reusable<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>, now: u64) -> bool {
+    (proto == proto::TCP && e.tcp_closed()) || expired(cfg, proto, e, now)
 }
 
 /// The live entry for `key`, if any (expired entries are ignored; the LRU
 /// reclaims them).
 #[inline(always)]
-pub fn lookup(cfg: &DpConfig, key: &Ct4Key, now: u64) -> Option<*mut Ct4Entry> {
-    let e = CT4.get_ptr_mut(key)?;
-    // SAFETY: map value pointer, valid for the program's run.
+pub fn lookup<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, now: u64) -> Option<*mut CtEntry<F::A>> {
+    let e = F::ct().get_ptr_mut(key)?;
+    // SAFETY: a map value pointer, valid for the program's run.
     if expired(cfg, key.proto, unsafe { &*e }, now) {
         return None;
     }
     Some(e)
 }
 
-/// Refreshes the entry (at most once a second, to spare the cache line) and
-/// notes TCP connection teardown.
+/// Called for every packet that uses one of a flow's two state entries
+/// (`FWD_IN`, or the owner): notes TCP teardown and the first reply, and
+/// refreshes the entry at most once a second. Changes are written to the
+/// other state entry too (and refreshes to explicit egress entries), each
+/// checked to still belong to the flow: its translated tuple must be the
+/// reverse of this entry's key. The common case (nothing new, refreshed
+/// within the second) is a few compares inline; the rest is a subprogram.
 #[inline(always)]
-pub fn touch(e: *mut Ct4Entry, now: u64, tcp_flags: u8) {
-    // SAFETY: map value pointer; racing writers store equivalent values.
-    unsafe {
-        if now.wrapping_sub((*e).last_seen_ns) > NS_PER_S {
-            (*e).last_seen_ns = now;
+pub fn touch<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp_flags: u8) {
+    // SAFETY: a map value pointer, valid for this run; plain reads.
+    let (last, flags, replied) = unsafe { ((*e).last_seen_ns, (*e).flags, (*e).state[state::REPLIED]) };
+    let teardown = key.proto == proto::TCP && tcp_flags & (TCP_FIN | TCP_RST) != 0;
+    let first_reply = flags & ct_flags::ROLE_MASK != ct_flags::FWD_IN && replied == 0;
+    if teardown || first_reply || now.wrapping_sub(last) > NS_PER_S {
+        touch_flow::<F>(key, e, now, tcp_flags);
+    }
+}
+
+#[inline(never)]
+fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp_flags: u8) {
+    // Keys are built in the scratch space: an IPv6 key on the stack of this
+    // subprogram would add up with the egress path's.
+    let Some(s) = scratch::<F>() else {
+        return;
+    };
+    // SAFETY: a map value pointer, valid for this run; copied once.
+    s.a = unsafe { *e };
+    let forward = s.a.role() == ct_flags::FWD_IN;
+    // The facts this packet establishes, as state bytes.
+    let mut facts = [0u8; 4];
+    if !forward {
+        facts[state::REPLIED] = 1;
+    }
+    if key.proto == proto::TCP {
+        if tcp_flags & TCP_FIN != 0 {
+            facts[if forward { state::FIN_FWD } else { state::FIN_REP }] = 1;
         }
-        if tcp_flags & (TCP_FIN | TCP_RST) != 0 && (*e).flags & ct_flags::CLOSING == 0 {
-            (*e).flags |= ct_flags::CLOSING;
+        if tcp_flags & TCP_RST != 0 {
+            facts[state::RST] = 1;
+        }
+    }
+    let news = (facts[0] > s.a.state[0]) as u8
+        | ((facts[1] > s.a.state[1]) as u8) << 1
+        | ((facts[2] > s.a.state[2]) as u8) << 2
+        | ((facts[3] > s.a.state[3]) as u8) << 3;
+    let refresh = now.wrapping_sub(s.a.last_seen_ns) > NS_PER_S;
+    if news == 0 && !refresh {
+        return;
+    }
+    update(e, news, refresh, now);
+    // The other state entry: keyed by the reverse of this one's translated
+    // tuple, and translating to the reverse of this one's key.
+    s.key = CtKey {
+        saddr: s.a.nat_daddr,
+        daddr: s.a.nat_saddr,
+        sport: s.a.nat_dport,
+        dport: s.a.nat_sport,
+        proto: key.proto,
+        _pad: [0; 3],
+    };
+    if let Some(o) = F::ct().get_ptr_mut(&s.key)
+        // SAFETY: a map value pointer, valid for this run.
+        && translates_to(unsafe { &*o }, &key.daddr, key.dport, &key.saddr, key.sport)
+    {
+        update(o, news, refresh, now);
+    }
+    if refresh && s.a.flags & ct_flags::EXPLICIT != 0 {
+        // FWD_OUT (from FWD_IN) or REP_OUT (from REP_IN): keyed by this
+        // entry's source towards its translated destination, holding the
+        // same translated tuple.
+        s.key = CtKey {
+            saddr: key.saddr,
+            sport: key.sport,
+            daddr: s.a.nat_daddr,
+            dport: s.a.nat_dport,
+            proto: key.proto,
+            _pad: [0; 3],
+        };
+        if let Some(sub) = F::ct().get_ptr_mut(&s.key)
+            // SAFETY: as above.
+            && translates_to(unsafe { &*sub }, &s.a.nat_saddr, s.a.nat_sport, &s.a.nat_daddr, s.a.nat_dport)
+        {
+            update(sub, 0, true, now);
         }
     }
 }
 
-/// A forward entry may only be used while its backend still exists with the
-/// address it was translated to (ids are reused after removal).
+/// Whether `e` translates packets to `saddr:sport → daddr:dport`.
 #[inline(always)]
-pub fn backend_valid(e: &Ct4Entry) -> bool {
-    BACKENDS.get(e.backend_id).is_some_and(|b| {
-        b.flags & backend_flags::ACTIVE != 0 && b.address == e.nat_daddr && b.port == e.nat_dport
-    })
+pub fn translates_to<A: Addr>(e: &CtEntry<A>, saddr: &A, sport: u16, daddr: &A, dport: u16) -> bool {
+    e.nat_saddr == *saddr && e.nat_sport == sport && e.nat_daddr == *daddr && e.nat_dport == dport
 }
 
-/// Creates the entries of a new flow `t` (client → frontend) to `be`, and
-/// returns the one the ingress hook applies now.
-///
-/// Destinations are rewritten where packets enter the node (XDP, TC ingress
-/// on pod interfaces) and sources where they leave it (TC egress), as
-/// netfilter does in PREROUTING and POSTROUTING: the kernel routes every
-/// packet in between with a non-local source, so nothing looks martian. Each
-/// entry is keyed by the tuple its hook sees:
-///
-/// | entry | key (as seen)            | hook    | rewrites                  |
-/// |-------|--------------------------|---------|---------------------------|
-/// | A     | client → frontend        | ingress | dst → backend             |
-/// | B     | client → backend         | egress  | src → node:snat (SNAT)    |
-/// | C     | backend → node:snat      | ingress | dst → client (SNAT)       |
-/// | D     | backend → client         | egress  | src → frontend            |
-///
-/// Every entry carries the full tuple the packet ends up with, so ICMP
-/// error translation and `inspect` can read the whole flow from any of them.
-/// With `snat`, the port is claimed atomically (`BPF_NOEXIST` on C's key).
+/// Sets the state bytes whose bit is in `news` (bit i: `state[i]`), each
+/// with a byte store, and refreshes `last_seen_ns`.
 #[inline(always)]
-pub fn create(
-    cfg: &DpConfig,
-    t: &Ct4Key,
-    svc: &Lb4Service,
-    backend_id: u32,
-    be: &Lb4Backend,
-    snat: bool,
-    now: u64,
-) -> Result<Ct4Entry, Event> {
-    let flags = if snat { ct_flags::SNAT } else { 0 };
-    // As the backend sees the flow: from (client or node:snat) to backend.
-    let mut forward = Ct4Entry {
+fn update<A: Addr>(e: *mut CtEntry<A>, news: u8, refresh: bool, now: u64) {
+    // SAFETY: a map value pointer valid for this run. Other CPUs may write
+    // other bytes of the entry at the same time: each fact is its own byte,
+    // and racing writers of one byte or of the timestamp store equivalent
+    // values.
+    unsafe {
+        let s = core::ptr::addr_of_mut!((*e).state) as *mut u8;
+        let mut i = 0;
+        while i < 4 {
+            if news & (1 << i) != 0 {
+                s.add(i).write_volatile(1);
+            }
+            i += 1;
+        }
+        if refresh {
+            (*e).last_seen_ns = now;
+        }
+    }
+}
+
+/// This CPU's scratch space for building a new flow's keys and entries.
+#[inline(always)]
+pub fn scratch<F: Family>() -> Option<&'static mut CtScratch<F::A>> {
+    let p = F::ct_scratch().get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot of a per-CPU map; packet programs never nest
+    // on a CPU, so nothing else uses it while this program runs, and the
+    // returned reference does not outlive the run.
+    Some(unsafe { &mut *p })
+}
+
+/// Fills `s.a` with a new flow's `FWD_IN` entry (as the backend sees the
+/// flow: from the client to the backend; the source is replaced for a
+/// masqueraded flow) and `s.b` with its reply side (as the client sees the
+/// replies: from the frontend to the client), with an unmasqueraded flow's
+/// owner role.
+#[inline(always)]
+pub fn entries<A: Addr>(s: &mut CtScratch<A>, t: &CtKey<A>, choice: &Choice<A>, now: u64) {
+    s.a = CtEntry {
         last_seen_ns: now,
         nat_saddr: t.saddr,
-        nat_daddr: be.address,
+        nat_daddr: choice.backend.address,
         nat_sport: t.sport,
-        nat_dport: be.port,
-        backend_id,
-        service_id: svc.service_id,
-        flags,
-        _pad: 0,
+        nat_dport: choice.backend.port,
+        service_id: choice.service_id,
+        flags: ct_flags::FWD_IN,
+        state: [0; 4],
+        _pad: [0; 3],
     };
-    // As the client sees the replies: from frontend to client.
-    let reply = Ct4Entry {
+    s.b = CtEntry {
         nat_saddr: t.daddr,
         nat_daddr: t.saddr,
         nat_sport: t.dport,
         nat_dport: t.sport,
-        flags: flags | ct_flags::REPLY,
-        ..forward
+        flags: ct_flags::REP_OUT,
+        ..s.a
     };
-    let key_d = Ct4Key {
-        saddr: be.address,
+}
+
+/// Creates the entries of a new flow `t` (client → frontend) as `choice`
+/// says — for a masqueraded flow, after `snat::claim` wrote its `REP_IN`
+/// entry and chose its port — and returns [`Event::NewFlow`] or why the
+/// flow cannot be made. `FWD_IN` is written last: until it exists, another
+/// packet of the flow takes the new-flow path again. Entries name their
+/// backend by address, so established flows outlive its id. Keys and
+/// entries are built in the per-CPU scratch space, not on the stack.
+#[inline(never)]
+pub fn create<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>, now: u64) -> Event {
+    let Some(s) = scratch::<F>() else {
+        return Event::DropCtFull;
+    };
+    entries(s, t, choice, now);
+    // backend → client: the unmasqueraded owner's key, and the explicit
+    // REP_OUT's.
+    s.key = CtKey {
+        saddr: choice.backend.address,
         daddr: t.saddr,
-        sport: be.port,
+        sport: choice.backend.port,
         dport: t.sport,
         proto: t.proto,
         _pad: [0; 3],
     };
-    if snat {
-        let mut key_c = Ct4Key {
-            daddr: cfg.snat_ip,
-            ..key_d
-        };
-        let (min, max) = (cfg.snat_port_min as u32, cfg.snat_port_max as u32);
-        if max < min {
-            return Err(Event::DropSnatExhausted);
+    if !choice.snat {
+        if F::ct().insert(&s.key, &s.b, BPF_ANY as u64).is_err() {
+            return Event::DropCtFull;
         }
-        // SAFETY: helper without arguments.
-        let mut port = min
-            + unsafe { bpf_get_prandom_u32() }
-                .checked_rem(max - min + 1)
-                .unwrap_or(0);
-        let mut claimed = false;
-        let mut i = 0;
-        while i < limits::SNAT_ATTEMPTS {
-            key_c.dport = (port as u16).to_be();
-            if CT4.insert(&key_c, &reply, BPF_NOEXIST as u64).is_ok() {
-                claimed = true;
-                break;
+    } else {
+        s.a.nat_saddr = F::snat_ip(cfg);
+        s.a.nat_sport = choice.snat_port;
+        if choice.explicit {
+            // Explicit egress entries (the port is not the hashed one),
+            // refreshed by the state entries and marked replied (the long
+            // timeout), so that only those decide the flow's lifetime:
+            // REP_OUT (backend → client), translating like REP_IN...
+            s.b.flags = ct_flags::REP_OUT | ct_flags::SNAT | ct_flags::EXPLICIT;
+            s.b.state[state::REPLIED] = 1;
+            if F::ct().insert(&s.key, &s.b, BPF_ANY as u64).is_err() {
+                return Event::DropCtFull;
             }
-            // A port held by an expired flow may be taken over.
-            if let Some(old) = CT4.get_ptr(&key_c)
-                // SAFETY: map value pointer.
-                && expired(cfg, t.proto, unsafe { &*old }, now)
-                && CT4.insert(&key_c, &reply, BPF_ANY as u64).is_ok()
-            {
-                claimed = true;
-                break;
+            // ... and FWD_OUT (client → backend), translating like FWD_IN.
+            s.key = CtKey {
+                daddr: choice.backend.address,
+                dport: choice.backend.port,
+                ..*t
+            };
+            s.a.flags = ct_flags::FWD_OUT | ct_flags::SNAT | ct_flags::EXPLICIT;
+            s.a.state[state::REPLIED] = 1;
+            if F::ct().insert(&s.key, &s.a, BPF_ANY as u64).is_err() {
+                return Event::DropCtFull;
             }
-            port = if port >= max { min } else { port + 1 };
-            i += 1;
+            s.a.state[state::REPLIED] = 0;
         }
-        if !claimed {
-            return Err(Event::DropSnatExhausted);
-        }
-        forward.nat_saddr = cfg.snat_ip;
-        forward.nat_sport = key_c.dport;
-        let key_b = Ct4Key {
-            daddr: be.address,
-            dport: be.port,
-            ..*t
-        };
-        if CT4.insert(&key_b, &forward, BPF_ANY as u64).is_err() {
-            return Err(Event::DropCtFull);
-        }
+        s.a.flags = ct_flags::FWD_IN | ct_flags::SNAT | if choice.explicit { ct_flags::EXPLICIT } else { 0 };
     }
-    if CT4.insert(&key_d, &reply, BPF_ANY as u64).is_err() || CT4.insert(t, &forward, BPF_ANY as u64).is_err()
+    if F::ct().insert(t, &s.a, BPF_ANY as u64).is_err() {
+        return Event::DropCtFull;
+    }
+    Event::NewFlow
+}
+
+/// Inserts `value` at `key` unless a live flow holds it; a closed or
+/// expired one is taken over (removed, then inserted with `BPF_NOEXIST`,
+/// so that of two CPUs racing for the key exactly one wins).
+#[inline(always)]
+pub fn claim<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, value: &CtEntry<F::A>, now: u64) -> Claim {
+    if F::ct().insert(key, value, BPF_NOEXIST as u64).is_ok() {
+        return Claim::Free;
+    }
+    if let Some(old) = F::ct().get_ptr(key)
+        // SAFETY: a map value pointer; read once.
+        && !reusable(cfg, key.proto, &unsafe { *old }, now)
     {
-        return Err(Event::DropCtFull);
+        return Claim::Busy;
     }
-    Ok(forward)
+    let _ = F::ct().remove(key);
+    if F::ct().insert(key, value, BPF_NOEXIST as u64).is_ok() {
+        Claim::TakenOver
+    } else {
+        Claim::Busy
+    }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    Free,
+    TakenOver,
+    Busy,
+}
+
+impl Claim {
+    #[inline(always)]
+    pub fn won(self) -> bool {
+        self != Claim::Busy
+    }
 }

@@ -1,17 +1,18 @@
 //! The new-flow decision, shared by every hook that sees a flow's first
-//! packet (XDP on external devices, TC on pod interfaces): which frontend,
-//! which backend set, source ranges, Local policies, reject or drop, backend
-//! choice, SNAT, conntrack entries. Packet-independent: hooks apply the
-//! result their own way.
+//! packet (ingress on external devices in XDP or TC, TC on pod interfaces)
+//! and, for its frontend and backend-set part, by connect-time translation:
+//! which frontend, which backend set, source ranges, Local policies, reject
+//! or drop, backend choice, SNAT, conntrack entries. Packet-independent:
+//! hooks apply the result their own way.
 
 use dataplane_common::{
     config::{DpConfig, config_flags},
-    ct::{Ct4Entry, Ct4Key},
-    lb4::{Lb4ServiceKey, scope, service_flags},
+    ct::CtKey,
+    lb::{Lb4Service, LbBackend, LbServiceKey, scope, service_flags},
     stats::Event,
 };
 
-use crate::{ct, lb};
+use crate::{family::Family, lb};
 
 /// What a hook does with the first packet of a flow, by the event the
 /// decision returns.
@@ -19,7 +20,7 @@ use crate::{ct, lb};
 pub enum Action {
     /// Rewrite the destination to `out.nat_daddr:nat_dport`.
     Forward,
-    /// Answer with ICMP port-unreachable.
+    /// Answer with ICMP port-unreachable (a socket: ECONNREFUSED).
     Reject,
     Drop,
     Pass,
@@ -35,76 +36,105 @@ pub fn action(event: Event) -> Action {
     }
 }
 
-/// Decides the flow `t` and, for [`Event::NewFlow`], creates its conntrack
-/// entries and fills `out` with the forward entry. A subprogram: its stack
-/// is its own, apart from the hooks' fast paths.
-#[inline(never)]
-pub fn decide(cfg: &DpConfig, t: &Ct4Key, now: u64, out: &mut Ct4Entry) -> Event {
-    let mut key = Lb4ServiceKey {
-        address: t.daddr,
-        port: t.dport,
+/// The frontend a new flow to `daddr:dport` uses and its backend set (the
+/// cluster set of an eTP=Local external destination when `in_cluster`), or
+/// what happens instead: a ClusterIP on a port it does not serve is
+/// rejected, an unallocated address in a service CIDR dropped, a Local
+/// policy without local endpoint dropped, a service without endpoints
+/// rejected, a source outside loadBalancerSourceRanges dropped; anything else
+/// is not ours.
+#[inline(always)]
+pub fn resolve<F: Family>(
+    cfg: &DpConfig,
+    daddr: F::A,
+    dport: u16,
+    proto: u8,
+    saddr: F::A,
+    in_cluster: bool,
+) -> Result<(LbServiceKey<F::A>, Lb4Service), Event> {
+    let mut key = LbServiceKey {
+        address: daddr,
+        port: dport,
         slot: 0,
-        proto: t.proto,
+        proto,
         scope: scope::EXTERNAL,
         _pad: [0; 2],
     };
-    let Some(mut svc) = lb::frontend(&key) else {
-        return not_a_frontend(cfg, t.daddr);
-    };
-    let from_cluster = cfg.cluster_cidr.contains(t.saddr);
-    if svc.flags & service_flags::TWO_SCOPES != 0 && from_cluster {
-        // eTP=Local, source in the cluster: kube-proxy short-circuits to the
-        // cluster set, without SNAT.
-        key.scope = scope::INTERNAL;
-        match lb::frontend(&key) {
-            Some(s) => svc = s,
-            None => return Event::DropNoBackend,
+    let Some(mut svc) = lb::frontend::<F>(&key) else {
+        if lb::is_service_address::<F>(daddr) {
+            return Err(Event::RejectUnknownPort);
         }
+        if F::in_service_cidr(cfg, &daddr) {
+            return Err(Event::DropUnallocatedServiceIp);
+        }
+        return Err(Event::Pass);
+    };
+    if svc.flags & service_flags::TWO_SCOPES != 0 && in_cluster {
+        // eTP=Local, source in the cluster: kube-proxy short-circuits to the
+        // cluster set.
+        key.scope = scope::INTERNAL;
+        svc = lb::frontend::<F>(&key).ok_or(Event::DropNoBackend)?;
     }
-    if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed(svc.service_id, t.saddr) {
-        return Event::DropSourceRange;
+    if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed::<F>(svc.service_id, saddr) {
+        return Err(Event::DropSourceRange);
     }
     if svc.count == 0 {
-        return if svc.flags & service_flags::REJECT_EMPTY != 0 {
+        return Err(if svc.flags & service_flags::REJECT_EMPTY != 0 {
             Event::RejectNoEndpoints
         } else {
             Event::DropNoLocalEndpoint
-        };
+        });
     }
-    let Some((backend_id, be)) = lb::select(&key, &svc, t.saddr, now) else {
-        return Event::DropNoBackend;
-    };
-    let snat = (cfg.flags & config_flags::MASQUERADE_ALL != 0
-        || svc.flags & service_flags::MASQUERADE != 0
-        || (svc.flags & service_flags::CLUSTER_IP != 0 && cfg.cluster_cidr.is_set() && !from_cluster)
-        // Hairpin: a pod reaching itself through its Service.
-        || be.address == t.saddr)
-        // A host-network backend on this node: its replies leave through
-        // tc_egress, which restores the service address.
-        && be.address != cfg.snat_ip;
-    match ct::create(cfg, t, &svc, backend_id, &be, snat, now) {
-        Ok(f) => {
-            *out = f;
-            Event::NewFlow
-        }
-        Err(event) => event,
-    }
+    Ok((key, svc))
 }
 
-/// No frontend for (address, port, proto): a ClusterIP on a port it does not
-/// serve is rejected, an unallocated address in a service CIDR dropped,
-/// anything else is not ours.
-#[inline(always)]
-fn not_a_frontend(cfg: &DpConfig, daddr: u32) -> Event {
-    if lb::is_service_address(daddr) {
-        return Event::RejectUnknownPort;
-    }
-    let mut i = 0;
-    while i < cfg.service_cidrs.len() {
-        if cfg.service_cidrs[i].contains(daddr) {
-            return Event::DropUnallocatedServiceIp;
-        }
-        i += 1;
-    }
-    Event::Pass
+/// What [`decide`] chose for a new flow.
+#[derive(Clone, Copy, Default)]
+pub struct Choice<A> {
+    pub backend_id: u32,
+    pub backend: LbBackend<A>,
+    pub service_id: u32,
+    /// Masquerade the flow (SNAT to the node).
+    pub snat: bool,
+    /// Filled by `snat::claim`: the SNAT port (network order), and whether
+    /// it is not the flow's hashed port.
+    pub snat_port: u16,
+    pub explicit: bool,
+}
+
+/// Decides the flow `t`: for [`Event::NewFlow`], fills `out` with the
+/// backend, the service and whether to masquerade; any other event is the
+/// verdict. A subprogram; the caller creates the flow's entries with
+/// `ct::create` next to it (not below it: BPF stack frames add up along a
+/// call chain).
+#[inline(never)]
+pub fn decide<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, now: u64, out: &mut Choice<F::A>) -> Event {
+    let from_cluster = F::in_cluster(cfg, &t.saddr);
+    let (key, svc) = match resolve::<F>(cfg, t.daddr, t.dport, t.proto, t.saddr, from_cluster) {
+        Ok(found) => found,
+        Err(event) => return event,
+    };
+    let Some((backend_id, be)) = lb::select::<F>(&key, &svc, t.saddr, now) else {
+        return Event::DropNoBackend;
+    };
+    // kube-proxy's masquerade rules: masqueradeAll applies to ClusterIPs
+    // only; eTP=Cluster external destinations; a ClusterIP reached from
+    // outside the cluster CIDR; hairpin (a pod reaching itself through its
+    // Service). Never towards a host-network backend on this node: its
+    // replies leave through tc_egress, which restores the frontend.
+    let cluster_ip = svc.flags & service_flags::CLUSTER_IP != 0;
+    let snat = ((cfg.flags & config_flags::MASQUERADE_ALL != 0 && cluster_ip)
+        || svc.flags & service_flags::MASQUERADE != 0
+        || (cluster_ip && F::cluster_cidr_set(cfg) && !from_cluster)
+        || be.address == t.saddr)
+        && be.address != F::snat_ip(cfg);
+    *out = Choice {
+        backend_id,
+        backend: be,
+        service_id: svc.service_id,
+        snat,
+        snat_port: 0,
+        explicit: false,
+    };
+    Event::NewFlow
 }

@@ -1,267 +1,368 @@
-//! ICMP: the port-unreachable reject built in XDP, and ICMP errors about
-//! translated flows rewritten so that they reach the client.
+//! ICMP and ICMPv6, for every hook through [`Ctx`]: the port-unreachable
+//! reject, and errors about translated flows rewritten so that they reach the
+//! endpoint whose packet they are about, quoting that packet as it was sent.
 
-use aya_ebpf::{
-    bindings::{
-        TC_ACT_REDIRECT, TC_ACT_SHOT,
-        xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
-    },
-    helpers::{bpf_redirect, bpf_skb_change_tail, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
-    programs::{TcContext, XdpContext},
+use dataplane_common::{
+    addr::Addr,
+    config::DpConfig,
+    ct::{CtEntry, CtKey, ct_flags, snat_port_hash},
+    proto,
+    stats::Event,
 };
-use dataplane_common::{config::DpConfig, ct::ct_flags, proto, stats::Event};
 
 use crate::{
     csum, ct,
-    packet::{Ipv4, ip, load, ptr_at, store},
+    ctx::{Ctx, load},
+    family::Family,
+    parse::{ip, ip6, l4},
 };
 
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
-/// What an ICMP error quotes: the IP header (no options) and 8 bytes of L4.
+const ICMP6_DST_UNREACH: u8 = 1;
+const ICMP6_PORT_UNREACH: u8 = 4;
+const ICMP6_PACKET_TOO_BIG: u8 = 2;
+const ICMP6_TIME_EXCEEDED: u8 = 3;
+const ICMP6_PARAM_PROB: u8 = 4;
+/// What an ICMP error quotes at least: the IP header (no options) and 8
+/// bytes of L4.
 const QUOTE: usize = ip::HLEN + 8;
 /// IP header + ICMP header + quote.
-const REJECT_LEN: usize = ip::HLEN + 8 + QUOTE;
+const REJECT_LEN: usize = ip::HLEN + l4::ICMP_HLEN + QUOTE;
+/// IPv6: the quote (header and 8 bytes), and the whole reject.
+const QUOTE6: usize = ip6::HLEN + 8;
+const REJECT6_LEN: usize = ip6::HLEN + l4::ICMP_HLEN + QUOTE6;
 
-/// Internet checksum of `len` bytes at `p` (even length).
-///
-/// # Safety
-/// `p..p+len` must be inside the packet.
+/// Internet checksum of `bytes` (even length), starting from `sum`.
 #[inline(always)]
-unsafe fn checksum_at(p: *const u8, len: usize) -> u16 {
-    let mut sum = 0u32;
+fn checksum(sum: u32, bytes: &[u8]) -> u16 {
+    let mut sum = sum;
     let mut i = 0;
-    while i + 1 < len {
-        // SAFETY: in bounds per the caller.
-        sum += unsafe { (p.add(i) as *const u16).read_unaligned() } as u32;
+    while i + 1 < bytes.len() {
+        sum += u16::from_ne_bytes([bytes[i], bytes[i + 1]]) as u32;
         i += 2;
     }
     !csum::fold(sum)
 }
 
-/// Turns the frame into an ICMP port-unreachable from the destination back
-/// to the source and transmits it on the receiving device. Only frames
-/// whose IP header has no options are answered; others are dropped.
+/// Turns the packet into an ICMP port-unreachable from the destination it
+/// tried back to its source, and sends it out of the device it came in on.
+/// IPv4: only packets whose header has no options are answered; others are
+/// dropped (counted).
 #[inline(always)]
-pub fn reject_xdp(ctx: &XdpContext, pkt: &Ipv4, event: Event) -> (u32, Event) {
-    if build_reject(ctx, pkt.l3, pkt.l4) == 0 {
-        (XDP_TX, event)
+pub fn reject<C: Ctx>(ctx: &C, v6: bool, l3: usize, l4: usize) -> (C::Verdict, Event) {
+    let sent = if v6 {
+        build_reject6(ctx, l3)
     } else {
-        (XDP_DROP, Event::DropRejectFailed)
+        build_reject4(ctx, l3, l4)
+    };
+    match sent {
+        Some(v) => (v, Event::Pass),
+        None => (C::DROP, Event::DropRejectFailed),
     }
 }
 
-/// Returns 0 on success (a subprogram: its stack is its own).
 #[inline(never)]
-fn build_reject(ctx: &XdpContext, l3: usize, l4: usize) -> u32 {
-    match try_build_reject(ctx, l3, l4) {
-        Some(()) => 0,
-        None => 1,
-    }
-}
-
-#[inline(always)]
-fn try_build_reject(ctx: &XdpContext, l3: usize, l4: usize) -> Option<()> {
-    if l4 != l3 + ip::HLEN || l3 > 22 {
+fn build_reject4<C: Ctx>(ctx: &C, l3: usize, l4: usize) -> Option<C::Verdict> {
+    if l4 != l3 + ip::HLEN {
         return None;
     }
-    let macs: [u8; 12] = load(ctx, 0)?;
-    // Ethertype and VLAN tags: the first l3 - 12 of these bytes.
-    let l2_rest: [u8; 10] = load(ctx, 12)?;
     let quote: [u8; QUOTE] = load(ctx, l3)?;
-    let delta = (l3 + REJECT_LEN) as i32 - (ctx.data_end() - ctx.data()) as i32;
-    if delta < 0 {
-        // SAFETY: helper on our own context; pointers are re-derived after.
-        if unsafe { bpf_xdp_adjust_tail(ctx.ctx, delta) } != 0 {
-            return None;
-        }
-    } else if delta > 0 {
-        // At most 48 (a 42-byte frame grows to 90); the mask keeps the
-        // bound visible to the verifier.
-        if delta > 63 {
-            return None;
-        }
-        let grow = (delta as u32 & 0x3f) as usize;
-        // Grow at the head, which every driver supports (tail growth fails
-        // on some, veth among them), and move the ethertype and VLAN tags
-        // to the new start.
-        // SAFETY: as above.
-        if unsafe { bpf_xdp_adjust_head(ctx.ctx, -(grow as i32)) } != 0 {
-            return None;
-        }
-        let r = l2_rest;
-        match l3 {
-            14 => store(ctx, 12, [r[0], r[1]])?,
-            18 => store(ctx, 12, [r[0], r[1], r[2], r[3], r[4], r[5]])?,
-            _ => store(ctx, 12, r)?,
-        }
-    }
-    let eth = ptr_at::<_, [u8; 12]>(ctx, 0)? as *mut u8;
-    let p = ptr_at::<_, [u8; REJECT_LEN]>(ctx, l3)? as *mut u8;
-    // SAFETY: 12 bytes at eth and REJECT_LEN bytes at p checked above.
-    unsafe {
-        core::ptr::copy_nonoverlapping(macs.as_ptr().add(6), eth, 6);
-        core::ptr::copy_nonoverlapping(macs.as_ptr(), eth.add(6), 6);
-        core::ptr::write_bytes(p, 0, ip::HLEN + 8);
-        p.write(0x45);
-        p.add(1).write(0xc0); // internetwork control, as Linux sends ICMP errors
-        (p.add(ip::TOT_LEN) as *mut u16).write_unaligned((REJECT_LEN as u16).to_be());
-        p.add(ip::TTL).write(64);
-        p.add(ip::PROTO).write(proto::ICMP);
-        // From the address the client tried, to the client.
-        core::ptr::copy_nonoverlapping(quote.as_ptr().add(ip::DADDR), p.add(ip::SADDR), 4);
-        core::ptr::copy_nonoverlapping(quote.as_ptr().add(ip::SADDR), p.add(ip::DADDR), 4);
-        (p.add(ip::CHECK) as *mut u16).write_unaligned(checksum_at(p, ip::HLEN));
-        let icmp = p.add(ip::HLEN);
-        icmp.write(ICMP_DEST_UNREACH);
-        icmp.add(1).write(ICMP_PORT_UNREACH);
-        core::ptr::copy_nonoverlapping(quote.as_ptr(), icmp.add(8), QUOTE);
-        (icmp.add(2) as *mut u16).write_unaligned(checksum_at(icmp, 8 + QUOTE));
-    }
-    Some(())
+    let mut f = [0u8; REJECT_LEN];
+    f[0] = 0x45;
+    f[1] = 0xc0; // internetwork control, as Linux sends ICMP errors
+    f[ip::TOT_LEN..ip::TOT_LEN + 2].copy_from_slice(&(REJECT_LEN as u16).to_be_bytes());
+    f[ip::TTL] = 64;
+    f[ip::PROTO] = proto::ICMP;
+    // From the address the client tried, to the client.
+    f[ip::SADDR..ip::SADDR + 4].copy_from_slice(&quote[ip::DADDR..ip::DADDR + 4]);
+    f[ip::DADDR..ip::DADDR + 4].copy_from_slice(&quote[ip::SADDR..ip::SADDR + 4]);
+    let c = checksum(0, &f[..ip::HLEN]);
+    f[ip::CHECK..ip::CHECK + 2].copy_from_slice(&c.to_ne_bytes());
+    f[ip::HLEN] = ICMP_DEST_UNREACH;
+    f[ip::HLEN + 1] = ICMP_PORT_UNREACH;
+    f[ip::HLEN + l4::ICMP_HLEN..].copy_from_slice(&quote);
+    let c = checksum(0, &f[ip::HLEN..]);
+    f[ip::HLEN + l4::ICMP_CHECK..ip::HLEN + l4::ICMP_CHECK + 2].copy_from_slice(&c.to_ne_bytes());
+    ctx.send_back(l3, &f)
 }
 
-/// An ICMP error (destination unreachable, time exceeded, parameter
-/// problem) that quotes a packet of a translated flow, arriving from the
-/// backend side: rewrites the quote back to what the client sent and the
-/// outer destination to the client. Anything else passes untouched.
+#[inline(never)]
+fn build_reject6<C: Ctx>(ctx: &C, l3: usize) -> Option<C::Verdict> {
+    let quote: [u8; QUOTE6] = load(ctx, l3)?;
+    let mut f = [0u8; REJECT6_LEN];
+    f[0] = 0x60;
+    let payload = (REJECT6_LEN - ip6::HLEN) as u16;
+    f[ip6::PAYLOAD_LEN..ip6::PAYLOAD_LEN + 2].copy_from_slice(&payload.to_be_bytes());
+    f[ip6::NEXT_HDR] = proto::ICMPV6;
+    f[ip6::NEXT_HDR + 1] = 64; // hop limit
+    f[ip6::SADDR..ip6::SADDR + 16].copy_from_slice(&quote[ip6::DADDR..ip6::DADDR + 16]);
+    f[ip6::DADDR..ip6::DADDR + 16].copy_from_slice(&quote[ip6::SADDR..ip6::SADDR + 16]);
+    f[ip6::HLEN] = ICMP6_DST_UNREACH;
+    f[ip6::HLEN + 1] = ICMP6_PORT_UNREACH;
+    f[ip6::HLEN + l4::ICMP_HLEN..].copy_from_slice(&quote);
+    let c = icmp6_checksum(&f);
+    f[ip6::HLEN + l4::ICMP_CHECK..ip6::HLEN + l4::ICMP_CHECK + 2].copy_from_slice(&c.to_ne_bytes());
+    ctx.send_back(l3, &f)
+}
+
+/// ICMPv6 checksum of a whole IPv6 packet `f` whose checksum field is zero:
+/// the pseudo-header (both addresses, the upper-layer length, the next
+/// header) and the message.
 #[inline(always)]
-pub fn translate_error_xdp(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u64) -> (u32, Event) {
-    match translate_error(ctx, cfg, pkt, now) {
-        Some(true) => (XDP_PASS, Event::IcmpErrorTranslated),
-        Some(false) => (XDP_PASS, Event::Pass),
-        None => (XDP_PASS, Event::Malformed),
+fn icmp6_checksum(f: &[u8; REJECT6_LEN]) -> u16 {
+    let mut sum = 0u32;
+    // Source and destination addresses.
+    let mut i = ip6::SADDR;
+    while i < ip6::HLEN {
+        sum += u16::from_ne_bytes([f[i], f[i + 1]]) as u32;
+        i += 2;
+    }
+    // Upper-layer length (32 bits) and next header, in network order.
+    let len = (REJECT6_LEN - ip6::HLEN) as u32;
+    sum += u16::from_ne_bytes((len as u16).to_be_bytes()) as u32;
+    sum += u16::from_ne_bytes((proto::ICMPV6 as u16).to_be_bytes()) as u32;
+    checksum(sum, &f[ip6::HLEN..])
+}
+
+/// An ICMP error (destination unreachable including "too big", time
+/// exceeded, parameter problem) quoting a packet of a translated flow, seen
+/// by any hook: rewrites the quote to the packet as its sender sent it, and
+/// the outer destination to that sender. Anything else passes untouched.
+#[inline(always)]
+pub fn translate_error<C: Ctx, F: Family>(
+    ctx: &C,
+    cfg: &DpConfig,
+    l3: usize,
+    l4: usize,
+) -> (C::Verdict, Event) {
+    match translate::<C, F>(ctx, cfg, l3, l4, ct::now()) {
+        Some(true) => (C::PASS, Event::IcmpErrorTranslated),
+        Some(false) => (C::PASS, Event::Pass),
+        None => (C::PASS, Event::Malformed),
+    }
+}
+
+/// The entry that tells how to rewrite a quoted packet `q`, and whether the
+/// outer destination follows (it does not for an error about a reply that
+/// this node sent towards the backend after un-SNAT: the backend already is
+/// the destination). The quote becomes the reverse of the entry's
+/// translated tuple in every case:
+/// - `q` as forwarded towards a backend (from the client, or the node's
+///   SNAT address): the reply-side entry, keyed by the reverse of `q`, or a
+///   hashed SNAT flow's `REP_IN`; the quote becomes client → frontend;
+/// - `q` as a client saw a reply (frontend → client): `FWD_IN`, keyed by its
+///   reverse; the quote becomes backend → client or node : SNAT port;
+/// - `q` as a reply after un-SNAT (backend → client): `FWD_OUT` (explicit),
+///   or a hashed flow's `REP_IN`; the quote becomes backend → node : port.
+#[inline(always)]
+fn flow_of<F: Family>(cfg: &DpConfig, q: &CtKey<F::A>, now: u64) -> Option<(CtEntry<F::A>, bool)> {
+    let rev = q.reversed();
+    if let Some(e) = ct::lookup::<F>(cfg, &rev, now) {
+        // SAFETY: a map value pointer; copied.
+        let e = unsafe { *e };
+        return Some((e, e.role() != ct_flags::FWD_OUT));
+    }
+    // Hashed SNAT flows: `q` forwarded from the client (backend's REP_IN
+    // names the client) ...
+    let as_forward = hashed_rep_in::<F>(cfg, q.daddr, q.dport, q.saddr, q.sport, q.proto, now);
+    if let Some(e) = as_forward {
+        // SAFETY: a map value pointer; copied.
+        return Some((unsafe { *e }, true));
+    }
+    // ... or a reply after un-SNAT: its quote becomes REP_IN's key.
+    let e = hashed_rep_in::<F>(cfg, q.saddr, q.sport, q.daddr, q.dport, q.proto, now)?;
+    // SAFETY: as above.
+    let e = unsafe { *e };
+    let port = snat_port_hash(
+        q.daddr,
+        q.dport,
+        cfg.snat_hash_seed,
+        cfg.snat_port_min,
+        cfg.snat_port_max,
+    );
+    Some((
+        CtEntry {
+            // Reversed below: backend → node : port.
+            nat_saddr: F::snat_ip(cfg),
+            nat_sport: port.to_be(),
+            nat_daddr: q.saddr,
+            nat_dport: q.sport,
+            ..e
+        },
+        false,
+    ))
+}
+
+/// A hashed SNAT flow's `REP_IN` entry between `backend` and `client` (its
+/// key is built in the scratch space).
+#[inline(always)]
+pub fn hashed_rep_in<F: Family>(
+    cfg: &DpConfig,
+    backend: F::A,
+    backend_port: u16,
+    client: F::A,
+    client_port: u16,
+    proto: u8,
+    now: u64,
+) -> Option<*mut CtEntry<F::A>> {
+    let port = snat_port_hash(
+        client,
+        client_port,
+        cfg.snat_hash_seed,
+        cfg.snat_port_min,
+        cfg.snat_port_max,
+    );
+    let s = ct::scratch::<F>()?;
+    s.key = CtKey {
+        saddr: backend,
+        daddr: F::snat_ip(cfg),
+        sport: backend_port,
+        dport: port.to_be(),
+        proto,
+        _pad: [0; 3],
+    };
+    let e = ct::lookup::<F>(cfg, &s.key, now)?;
+    // SAFETY: a map value pointer, valid for this run.
+    let en = unsafe { &*e };
+    (en.role() == ct_flags::REP_IN && en.nat_daddr == client && en.nat_dport == client_port).then_some(e)
+}
+
+/// The error types worth translating, and the offset of the quoted
+/// header's protocol field.
+#[inline(always)]
+fn is_error<F: Family>(icmp_type: u8) -> bool {
+    if F::IP_CHECKSUM {
+        matches!(
+            icmp_type,
+            ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETERPROB
+        )
+    } else {
+        matches!(
+            icmp_type,
+            ICMP6_DST_UNREACH | ICMP6_PACKET_TOO_BIG | ICMP6_TIME_EXCEEDED | ICMP6_PARAM_PROB
+        )
     }
 }
 
 #[inline(never)]
-fn translate_error(ctx: &XdpContext, cfg: &DpConfig, pkt: &Ipv4, now: u64) -> Option<bool> {
-    let icmp_type: u8 = load(ctx, pkt.l4)?;
-    if !matches!(
-        icmp_type,
-        ICMP_DEST_UNREACH | ICMP_TIME_EXCEEDED | ICMP_PARAMETERPROB
-    ) {
+fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, now: u64) -> Option<bool> {
+    // Type and code together: a one-byte read at a variable offset compiles
+    // to a bounds check the verifier cannot use.
+    let [icmp_type, _code]: [u8; 2] = load(ctx, l4)?;
+    if !is_error::<F>(icmp_type) {
         return Some(false);
     }
-    let inner = pkt.l4 + 8;
-    let Some(quote) = load::<_, [u8; QUOTE]>(ctx, inner) else {
+    let inner = l4 + l4::ICMP_HLEN;
+    // The quoted header: IPv4 without options (version and IHL 0x45), or
+    // IPv6 with TCP or UDP right after it.
+    let (inner_l4, inner_proto) = if F::IP_CHECKSUM {
+        let [vihl, _tos]: [u8; 2] = load(ctx, inner)?;
+        let [_ttl, p]: [u8; 2] = load(ctx, inner + ip::TTL)?;
+        if vihl != 0x45 {
+            return Some(false);
+        }
+        (inner + ip::HLEN, p)
+    } else {
+        let [vtc, _]: [u8; 2] = load(ctx, inner)?;
+        let [p, _hop]: [u8; 2] = load(ctx, inner + ip6::NEXT_HDR)?;
+        if vtc >> 4 != 6 {
+            return Some(false);
+        }
+        (inner + ip6::HLEN, p)
+    };
+    // (An SCTP quote's CRC32c lies beyond the 8 bytes quoted at least, and
+    // covers the whole packet, which a quote rarely holds: it is left as it
+    // is; nobody checks a quote's L4 checksum.)
+    if !(inner_proto == proto::TCP || inner_proto == proto::UDP || inner_proto == proto::SCTP) {
+        return Some(false);
+    }
+    let end = if F::IP_CHECKSUM {
+        let tot: u16 = load(ctx, l3 + ip::TOT_LEN)?;
+        l3 + u16::from_be(tot) as usize
+    } else {
+        let plen: u16 = load(ctx, l3 + ip6::PAYLOAD_LEN)?;
+        l3 + ip6::HLEN + u16::from_be(plen) as usize
+    };
+    if inner_l4 + 4 > end {
+        return Some(false);
+    }
+    let (Some(saddr), Some(daddr), Some(ports)) = (
+        load::<_, F::A>(ctx, inner + F::SADDR),
+        load::<_, F::A>(ctx, inner + F::DADDR),
+        load::<_, [u16; 2]>(ctx, inner_l4),
+    ) else {
         return Some(false);
     };
-    let inner_proto = quote[ip::PROTO];
-    if quote[0] != 0x45 || !(inner_proto == proto::TCP || inner_proto == proto::UDP) {
-        return Some(false);
-    }
-    let word = |o: usize| u32::from_ne_bytes([quote[o], quote[o + 1], quote[o + 2], quote[o + 3]]);
-    let half = |o: usize| u16::from_ne_bytes([quote[o], quote[o + 1]]);
-    let (i_saddr, i_daddr, i_sport, i_dport) = (word(12), word(16), half(20), half(22));
-    // The quoted packet went client-side → backend; its reverse is the key of
-    // the flow's reply entry.
-    let key = dataplane_common::ct::Ct4Key {
-        saddr: i_daddr,
-        daddr: i_saddr,
-        sport: i_dport,
-        dport: i_sport,
+    let q = CtKey {
+        saddr,
+        daddr,
+        sport: ports[0],
+        dport: ports[1],
         proto: inner_proto,
         _pad: [0; 3],
     };
-    let e = ct::lookup(cfg, &key, now)?;
-    // SAFETY: map value pointer.
-    let e = unsafe { *e };
-    if e.flags & ct_flags::REPLY == 0 {
+    let Some((e, outer_follows)) = flow_of::<F>(cfg, &q, now) else {
         return Some(false);
+    };
+    // The quote as its sender sent it: the reverse of the translated tuple.
+    let n = e.nat_key(inner_proto).reversed();
+    let in_addr = q.saddr.csum_diff(&n.saddr) + q.daddr.csum_diff(&n.daddr);
+    let in_ports = csum::diff16(q.sport, n.sport) + csum::diff16(q.dport, n.dport);
+    let mut icmp_diff = in_addr + in_ports;
+    if F::IP_CHECKSUM {
+        let old_in_check: u16 = load(ctx, inner + ip::CHECK)?;
+        let new_in_check = csum::apply(old_in_check, in_addr);
+        icmp_diff += csum::diff16(old_in_check, new_in_check);
+        ctx.store(inner + ip::CHECK, &new_in_check)?;
     }
-    // Quote as the client sent it: client → VIP.
-    let (n_saddr, n_sport, n_daddr, n_dport) = (e.nat_daddr, e.nat_dport, e.nat_saddr, e.nat_sport);
-    // The outer source stays: the client accepts an error from any hop, and
-    // a node address as source would make the packet look martian here.
-    let new_o_daddr = e.nat_daddr;
-
-    let in_addr = csum::diff32(i_saddr, n_saddr) + csum::diff32(i_daddr, n_daddr);
-    let in_ports = csum::diff16(i_sport, n_sport) + csum::diff16(i_dport, n_dport);
-    let old_in_check = half(ip::CHECK);
-    let new_in_check = csum::apply(old_in_check, in_addr);
-    let mut icmp_diff = in_addr + in_ports + csum::diff16(old_in_check, new_in_check);
-    let udp_check_at = inner + ip::HLEN + 6;
-    let old_udp = half(ip::HLEN + 6);
-    if inner_proto == proto::UDP && old_udp != 0 {
+    if inner_proto == proto::UDP
+        && inner_l4 + l4::UDP_HLEN <= end
+        && let Some(old_udp) = load::<_, u16>(ctx, inner_l4 + l4::UDP_CHECK)
+        && old_udp != 0
+    {
         let mut new_udp = csum::apply(old_udp, in_addr + in_ports);
         if new_udp == 0 {
             new_udp = 0xffff;
         }
         icmp_diff += csum::diff16(old_udp, new_udp);
-        store(ctx, udp_check_at, new_udp)?;
+        ctx.store(inner_l4 + l4::UDP_CHECK, &new_udp)?;
     }
-    let icmp_check: u16 = load(ctx, pkt.l4 + 2)?;
-    let outer_diff = csum::diff32(pkt.tuple.daddr, new_o_daddr);
-    let outer_check: u16 = load(ctx, pkt.l3 + ip::CHECK)?;
-    store(ctx, inner + ip::SADDR, n_saddr)?;
-    store(ctx, inner + ip::DADDR, n_daddr)?;
-    store(ctx, inner + ip::CHECK, new_in_check)?;
-    store(ctx, inner + ip::HLEN, [n_sport, n_dport])?;
-    store(ctx, pkt.l4 + 2, csum::apply(icmp_check, icmp_diff))?;
-    store(ctx, pkt.l3 + ip::DADDR, new_o_daddr)?;
-    store(ctx, pkt.l3 + ip::CHECK, csum::apply(outer_check, outer_diff))?;
+    // TCP's checksum lies beyond the 8 bytes an error must quote, but most
+    // errors quote more (Linux: as much as fits; ICMPv6 up to 1280 bytes):
+    // when it is there, it is kept true to the quote.
+    if inner_proto == proto::TCP
+        && inner_l4 + l4::TCP_CHECK + 2 <= end
+        && let Some(old_tcp) = load::<_, u16>(ctx, inner_l4 + l4::TCP_CHECK)
+    {
+        let new_tcp = csum::apply(old_tcp, in_addr + in_ports);
+        icmp_diff += csum::diff16(old_tcp, new_tcp);
+        ctx.store(inner_l4 + l4::TCP_CHECK, &new_tcp)?;
+    }
+    let outer: F::A = load(ctx, l3 + F::DADDR)?;
+    let new_outer = e.nat_daddr;
+    let outer_changes = outer_follows && new_outer != outer;
+    if outer_changes && !F::IP_CHECKSUM {
+        // ICMPv6's checksum covers the pseudo-header's destination.
+        icmp_diff += outer.csum_diff(&new_outer);
+    }
+    let icmp_check: u16 = load(ctx, l4 + l4::ICMP_CHECK)?;
+    ctx.store(inner + F::SADDR, &n.saddr)?;
+    ctx.store(inner + F::DADDR, &n.daddr)?;
+    ctx.store(inner_l4, &[n.sport, n.dport])?;
+    ctx.store(l4 + l4::ICMP_CHECK, &csum::apply(icmp_check, icmp_diff))?;
+    if outer_changes {
+        // The outer source stays: an endpoint accepts an error from any hop.
+        ctx.store(l3 + F::DADDR, &new_outer)?;
+        if F::IP_CHECKSUM {
+            let outer_check: u16 = load(ctx, l3 + ip::CHECK)?;
+            ctx.store(
+                l3 + ip::CHECK,
+                &csum::apply(outer_check, outer.csum_diff(&new_outer)),
+            )?;
+        }
+    }
     Some(true)
-}
-
-/// The TC twin of [`reject_xdp`] for a pod's packet: the frame becomes an
-/// ICMP port-unreachable from the address the pod tried, sent back out of
-/// the interface it came in on (towards the pod).
-#[inline(always)]
-pub fn reject_tc(ctx: &TcContext, pkt: &Ipv4, event: Event) -> (i32, Event) {
-    if build_reject_tc(ctx, pkt.l3, pkt.l4) == 0 {
-        // SAFETY: reading the context's ifindex; helper without pointers.
-        let ifindex = unsafe { (*ctx.skb.skb).ifindex };
-        (unsafe { bpf_redirect(ifindex, 0) } as i32, event)
-    } else {
-        (TC_ACT_SHOT, Event::DropRejectFailed)
-    }
-}
-
-#[inline(never)]
-fn build_reject_tc(ctx: &TcContext, l3: usize, l4: usize) -> u32 {
-    match try_build_reject_tc(ctx, l3, l4) {
-        Some(()) => 0,
-        None => 1,
-    }
-}
-
-#[inline(always)]
-fn try_build_reject_tc(ctx: &TcContext, l3: usize, l4: usize) -> Option<()> {
-    // Pod interfaces carry untagged Ethernet.
-    if l3 != crate::packet::ETH_HLEN || l4 != l3 + ip::HLEN {
-        return None;
-    }
-    let macs: [u8; 12] = load(ctx, 0)?;
-    let quote: [u8; QUOTE] = load(ctx, l3)?;
-    const LEN: usize = crate::packet::ETH_HLEN + REJECT_LEN;
-    // SAFETY: helper on our own context.
-    if unsafe { bpf_skb_change_tail(ctx.skb.skb, LEN as u32, 0) } != 0 {
-        return None;
-    }
-    let mut f = [0u8; LEN];
-    f[..6].copy_from_slice(&macs[6..12]);
-    f[6..12].copy_from_slice(&macs[..6]);
-    f[12] = 0x08; // IPv4
-    let p = &mut f[crate::packet::ETH_HLEN..];
-    p[0] = 0x45;
-    p[1] = 0xc0;
-    p[2..4].copy_from_slice(&(REJECT_LEN as u16).to_be_bytes());
-    p[ip::TTL] = 64;
-    p[ip::PROTO] = proto::ICMP;
-    p[12..16].copy_from_slice(&quote[16..20]);
-    p[16..20].copy_from_slice(&quote[12..16]);
-    // SAFETY: the pointers cover the stack buffer.
-    let c = unsafe { checksum_at(p.as_ptr(), ip::HLEN) };
-    p[10..12].copy_from_slice(&c.to_ne_bytes());
-    p[20] = ICMP_DEST_UNREACH;
-    p[21] = ICMP_PORT_UNREACH;
-    p[28..].copy_from_slice(&quote);
-    let c = unsafe { checksum_at(p.as_ptr().add(ip::HLEN), 8 + QUOTE) };
-    p[22..24].copy_from_slice(&c.to_ne_bytes());
-    ctx.store(0, &f, 0).ok()?;
-    let _ = TC_ACT_REDIRECT;
-    Some(())
 }

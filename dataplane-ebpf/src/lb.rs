@@ -2,47 +2,47 @@
 //! source ranges.
 
 use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32, maps::lpm_trie::Key};
-use dataplane_common::lb4::{
-    Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4SourceRangeData,
-    backend_flags, service_flags,
+use dataplane_common::lb::{
+    AffinityKey, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData, backend_flags,
+    service_flags,
 };
 
-use crate::maps::{AFFINITY, BACKENDS, SERVICES, SOURCE_RANGES};
+use crate::family::Family;
 
 #[inline(always)]
-pub fn frontend(key: &Lb4ServiceKey) -> Option<Lb4Service> {
+pub fn frontend<F: Family>(key: &LbServiceKey<F::A>) -> Option<Lb4Service> {
     // SAFETY: map value copied out.
-    unsafe { SERVICES.get(key).copied() }
+    unsafe { F::services().get(key).copied() }
 }
 
 /// Is the address a ClusterIP (its wildcard entry exists)?
 #[inline(always)]
-pub fn is_service_address(address: u32) -> bool {
-    let key = Lb4ServiceKey {
+pub fn is_service_address<F: Family>(address: F::A) -> bool {
+    let key = LbServiceKey {
         address,
         ..Default::default()
     };
-    frontend(&key).is_some_and(|f| f.flags & service_flags::WILDCARD != 0)
+    frontend::<F>(&key).is_some_and(|f| f.flags & service_flags::WILDCARD != 0)
 }
 
 #[inline(always)]
-pub fn source_allowed(service_id: u32, saddr: u32) -> bool {
+pub fn source_allowed<F: Family>(service_id: u32, saddr: F::A) -> bool {
     let key = Key::new(
-        64,
-        Lb4SourceRangeData {
+        SourceRangeData::<F::A>::BITS,
+        SourceRangeData {
             service_id_be: service_id.to_be(),
             address: saddr,
         },
     );
-    SOURCE_RANGES.get(&key).is_some()
+    F::source_ranges().get(&key).is_some()
 }
 
 #[inline(always)]
-fn backend_in_slot(key: &Lb4ServiceKey, slot: u32) -> Option<(u32, Lb4Backend)> {
+fn backend_in_slot<F: Family>(key: &LbServiceKey<F::A>, slot: u32) -> Option<(u32, LbBackend<F::A>)> {
     let mut k = *key;
     k.slot = slot as u16;
-    let id = frontend(&k)?.backend_id;
-    let be = *BACKENDS.get(id)?;
+    let id = frontend::<F>(&k)?.backend_id;
+    let be = *F::backends().get(id)?;
     (be.flags & backend_flags::ACTIVE != 0).then_some((id, be))
 }
 
@@ -50,24 +50,29 @@ fn backend_in_slot(key: &Lb4ServiceKey, slot: u32) -> Option<(u32, Lb4Backend)> 
 /// (slot 0, the scope chosen): the affinity backend while it is fresh and
 /// still in the set, else uniformly at random over slots `1..=count`.
 #[inline(always)]
-pub fn select(key: &Lb4ServiceKey, svc: &Lb4Service, client: u32, now: u64) -> Option<(u32, Lb4Backend)> {
+pub fn select<F: Family>(
+    key: &LbServiceKey<F::A>,
+    svc: &Lb4Service,
+    client: F::A,
+    now: u64,
+) -> Option<(u32, LbBackend<F::A>)> {
     let count = svc.count as u32;
     if count == 0 {
         return None;
     }
     let affinity = svc.flags & service_flags::AFFINITY != 0;
-    let akey = Lb4AffinityKey {
+    let akey = AffinityKey {
         client,
         service_id: svc.service_id,
     };
-    if affinity && let Some(a) = AFFINITY.get_ptr_mut(&akey) {
+    if affinity && let Some(a) = F::affinity().get_ptr_mut(&akey) {
         // SAFETY: map value pointer.
         let (last, id, slot) = unsafe { ((*a).last_used_ns, (*a).backend_id, (*a).slot) };
         let fresh = now.wrapping_sub(last) <= svc.affinity_timeout_s as u64 * 1_000_000_000;
         if fresh
             && slot >= 1
             && slot <= count
-            && let Some((sid, be)) = backend_in_slot(key, slot)
+            && let Some((sid, be)) = backend_in_slot::<F>(key, slot)
             && sid == id
         {
             // SAFETY: map value pointer; racing writers store equivalent values.
@@ -77,14 +82,14 @@ pub fn select(key: &Lb4ServiceKey, svc: &Lb4Service, client: u32, now: u64) -> O
     }
     // SAFETY: helper without arguments.
     let slot = unsafe { bpf_get_prandom_u32() }.checked_rem(count).unwrap_or(0) + 1;
-    let (id, be) = backend_in_slot(key, slot)?;
+    let (id, be) = backend_in_slot::<F>(key, slot)?;
     if affinity {
         let value = Lb4AffinityValue {
             last_used_ns: now,
             backend_id: id,
             slot,
         };
-        let _ = AFFINITY.insert(&akey, &value, BPF_ANY as u64);
+        let _ = F::affinity().insert(&akey, &value, BPF_ANY as u64);
     }
     Some((id, be))
 }

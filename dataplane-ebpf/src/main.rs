@@ -8,98 +8,116 @@
 
 mod csum;
 mod ct;
+mod ctx;
+mod family;
+mod filter;
 mod flow;
 mod icmp;
-mod ingress;
 mod lb;
 mod maps;
-mod nat;
-mod packet;
-mod reply;
+mod parse;
+mod path;
+mod snat;
 mod sock;
 mod stats;
 
 use aya_ebpf::{
+    bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
     macros::{cgroup_sock_addr, classifier, xdp},
     programs::{SockAddrContext, TcContext, XdpContext},
 };
 use dataplane_common::stats::Hook;
-use nat::Side;
 
-/// North-south translation on the node's external devices.
+/// North-south translation on the node's external devices, in XDP.
 #[xdp]
 pub fn xdp_ingress(ctx: XdpContext) -> u32 {
-    let len = (ctx.data_end() - ctx.data()) as u64;
-    let (action, event) = ingress::run(&ctx);
-    stats::count(Hook::XdpIngress, event, len);
-    action
+    path::ingress(&ctx, Hook::XdpIngress)
 }
 
-/// Parses like `xdp_ingress` and passes: the floor that benchmarks measure
-/// against, and a pass-through for veth peers (veth delivers XDP_TX frames
-/// only to a peer that runs an XDP program).
-#[xdp]
-pub fn xdp_floor(ctx: XdpContext) -> u32 {
-    match packet::parse(&ctx) {
-        packet::Parsed::Ipv4(p) if p.tuple.proto == 0xff => aya_ebpf::bindings::xdp_action::XDP_DROP,
-        _ => aya_ebpf::bindings::xdp_action::XDP_PASS,
-    }
-}
-
-/// The TC twin of `xdp_floor`: parses and lets the packet go; the floor of
-/// the TC benchmarks.
+/// The same, in TC ingress: devices where XDP is slower or cannot send
+/// packets back (veth), and `--xdp-mode off`.
 #[classifier]
-pub fn tc_floor(ctx: TcContext) -> i32 {
-    match packet::parse(&ctx) {
-        packet::Parsed::Ipv4(p) if p.tuple.proto == 0xff => aya_ebpf::bindings::TC_ACT_SHOT,
-        _ => aya_ebpf::bindings::TC_ACT_OK,
-    }
+pub fn tc_ingress(ctx: TcContext) -> i32 {
+    path::ingress(&ctx, Hook::TcIngress)
+}
+
+/// Packets from pods, before the host routes them: new flows to Services,
+/// established ones, replies of masqueraded flows.
+#[classifier]
+pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
+    path::ingress(&ctx, Hook::TcPodIngress)
 }
 
 /// Packets leaving through an external device or towards a pod: SNAT, and
 /// the frontend address restored on replies.
 #[classifier]
 pub fn tc_egress(ctx: TcContext) -> i32 {
-    tc_run(ctx, Hook::TcEgress, Side::Src)
+    path::egress(&ctx, Hook::TcEgress)
 }
 
-/// Packets from pods, before the host routes them: replies of SNATed flows
-/// sent back to the client.
+/// Parses like the translating programs and passes: the floor that
+/// benchmarks measure against, and a pass-through for veth peers (veth
+/// delivers XDP_TX frames only to a peer that runs an XDP program).
+#[xdp]
+pub fn xdp_floor(ctx: XdpContext) -> u32 {
+    match parse::parse(&ctx) {
+        parse::Parsed::V4(p) if p.tuple.proto == 0xff => xdp_action::XDP_DROP,
+        _ => xdp_action::XDP_PASS,
+    }
+}
+
+/// The TC twin of `xdp_floor`: the floor of the TC benchmarks.
 #[classifier]
-pub fn tc_pod_ingress(ctx: TcContext) -> i32 {
-    tc_run(ctx, Hook::TcPodIngress, Side::Dst)
-}
-
-#[inline(always)]
-fn tc_run(ctx: TcContext, hook: Hook, side: Side) -> i32 {
-    let len = ctx.len() as u64;
-    let (action, event) = reply::run(&ctx, side);
-    stats::count(hook, event, len);
-    action
+pub fn tc_floor(ctx: TcContext) -> i32 {
+    match parse::parse(&ctx) {
+        parse::Parsed::V4(p) if p.tuple.proto == 0xff => TC_ACT_SHOT,
+        _ => TC_ACT_OK,
+    }
 }
 
 /// Connect-time translation of the node's own connections to Services.
 #[cgroup_sock_addr(connect4)]
 pub fn sock_connect4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx)
+    sock::translate(&ctx, false)
 }
 
 /// Per-datagram translation of unconnected UDP sends to Services.
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sock_sendmsg4(ctx: SockAddrContext) -> i32 {
-    sock::translate(&ctx)
+    sock::translate(&ctx, false)
 }
 
 /// The Service address, not the backend, as the source of received datagrams.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn sock_recvmsg4(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx)
+    sock::reverse(&ctx, false)
 }
 
 /// The Service address, not the backend, as a connected socket's peer.
 #[cgroup_sock_addr(getpeername4)]
 pub fn sock_getpeername4(ctx: SockAddrContext) -> i32 {
-    sock::reverse(&ctx)
+    sock::reverse(&ctx, false)
+}
+
+/// The four above for IPv6 sockets.
+#[cgroup_sock_addr(connect6)]
+pub fn sock_connect6(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx, true)
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sock_sendmsg6(ctx: SockAddrContext) -> i32 {
+    sock::translate(&ctx, true)
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn sock_recvmsg6(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, true)
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn sock_getpeername6(ctx: SockAddrContext) -> i32 {
+    sock::reverse(&ctx, true)
 }
 
 #[cfg(not(test))]

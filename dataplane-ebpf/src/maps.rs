@@ -7,17 +7,25 @@ use aya_ebpf::{
 };
 use dataplane_common::{
     config::DpConfig,
-    ct::{Ct4Entry, Ct4Key, Sock4RevKey, Sock4RevValue},
-    lb4::{
+    ct::{
+        Ct4Entry, Ct4Key, Ct6Entry, Ct6Key, CtEntry, CtKey, Sock4RevKey, Sock4RevValue, Sock6RevKey,
+        Sock6RevValue,
+    },
+    filter::FILTER_WORDS,
+    lb::{
         Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName,
-        Lb4SourceRangeData,
+        Lb4SourceRangeData, Lb6AffinityKey, Lb6Backend, Lb6ServiceKey, Lb6SourceRangeData,
     },
     limits,
-    stats::{COUNTER_SLOTS, Counter},
+    stats::{COUNTER_SLOTS, Counter, FLOW_STAT_SLOTS},
 };
 
-#[map(name = "DP_CONFIG_V1")]
+#[map(name = "DP_CONFIG_V3")]
 pub static CONFIG: Array<DpConfig> = Array::with_max_entries(1, 0);
+
+/// Agent-written bitmaps of the addresses the hooks act on.
+#[map(name = "DP_ADDR_FILTER_V2")]
+pub static ADDR_FILTER: Array<u64> = Array::with_max_entries(2 * FILTER_WORDS, 0);
 
 #[map(name = "LB4_SERVICES_V1")]
 pub static SERVICES: HashMap<Lb4ServiceKey, Lb4Service> =
@@ -35,12 +43,19 @@ pub static AFFINITY: LruHashMap<Lb4AffinityKey, Lb4AffinityValue> =
 pub static SOURCE_RANGES: LpmTrie<Lb4SourceRangeData, u8> =
     LpmTrie::with_max_entries(limits::SOURCE_RANGE_ENTRIES, 0);
 
-#[map(name = "CT4_V1")]
-pub static CT4: LruHashMap<Ct4Key, Ct4Entry> =
-    LruHashMap::with_max_entries(limits::CT_ENTRIES, aya_ebpf::bindings::BPF_F_NO_COMMON_LRU);
+#[map(name = "CT4_V2")]
+pub static CT4: LruHashMap<Ct4Key, Ct4Entry> = LruHashMap::with_max_entries(limits::CT_ENTRIES, 0);
+
+/// Per CPU and backend id: where the fallback SNAT port search resumes.
+#[map(name = "DP_SNAT_CURSORS_V1")]
+pub static SNAT_CURSORS: PerCpuArray<u32> = PerCpuArray::with_max_entries(limits::MAX_BACKENDS, 0);
 
 #[map(name = "DP_COUNTERS_V1")]
 pub static COUNTERS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
+
+/// Indexed by [`dataplane_common::stats::FlowStat`].
+#[map(name = "DP_FLOW_STATS_V1")]
+pub static FLOW_STATS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(FLOW_STAT_SLOTS, 0);
 
 /// Indexed by service id.
 #[map(name = "LB4_SERVICE_STATS_V1")]
@@ -56,3 +71,45 @@ pub static SERVICE_NAMES: HashMap<u32, Lb4ServiceName> =
 #[map(name = "SOCK4_REVNAT_V1")]
 pub static SOCK_REVNAT: LruHashMap<Sock4RevKey, Sock4RevValue> =
     LruHashMap::with_max_entries(limits::SOCK_REVNAT_ENTRIES, 0);
+
+// IPv6: the same shapes, keyed by 128-bit addresses (see `family`).
+
+#[map(name = "LB6_SERVICES_V1")]
+pub static SERVICES6: HashMap<Lb6ServiceKey, Lb4Service> =
+    HashMap::with_max_entries(limits::MAX_SERVICE_ENTRIES, 0);
+
+#[map(name = "LB6_BACKENDS_V1")]
+pub static BACKENDS6: Array<Lb6Backend> = Array::with_max_entries(limits::MAX_BACKENDS, 0);
+
+#[map(name = "LB6_AFFINITY_V1")]
+pub static AFFINITY6: LruHashMap<Lb6AffinityKey, Lb4AffinityValue> =
+    LruHashMap::with_max_entries(limits::AFFINITY_ENTRIES, 0);
+
+#[map(name = "LB6_SOURCE_RANGES_V1")]
+pub static SOURCE_RANGES6: LpmTrie<Lb6SourceRangeData, u8> =
+    LpmTrie::with_max_entries(limits::SOURCE_RANGE_ENTRIES, 0);
+
+#[map(name = "CT6_V1")]
+pub static CT6: LruHashMap<Ct6Key, Ct6Entry> = LruHashMap::with_max_entries(limits::CT_ENTRIES, 0);
+
+#[map(name = "SOCK6_REVNAT_V1")]
+pub static SOCK_REVNAT6: LruHashMap<Sock6RevKey, Sock6RevValue> =
+    LruHashMap::with_max_entries(limits::SOCK_REVNAT_ENTRIES, 0);
+
+/// Per-CPU scratch space where new flows' conntrack keys and entries are
+/// built (IPv6's are 40 and 56 bytes: on the 512-byte stack they would not
+/// fit beside the rest of the path). Only packet programs use it; they never
+/// nest on a CPU (softirq, or process context with bottom halves off).
+#[repr(C)]
+pub struct CtScratch<A> {
+    pub key: CtKey<A>,
+    pub a: CtEntry<A>,
+    pub b: CtEntry<A>,
+}
+
+#[map(name = "DP_CT_SCRATCH4")]
+pub static CT_SCRATCH4: PerCpuArray<CtScratch<u32>> = PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "DP_CT_SCRATCH6")]
+pub static CT_SCRATCH6: PerCpuArray<CtScratch<dataplane_common::addr::Ip6>> =
+    PerCpuArray::with_max_entries(1, 0);

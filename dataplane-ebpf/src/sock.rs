@@ -12,15 +12,17 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use dataplane_common::{
-    config::config_flags,
-    ct::{Sock4RevKey, Sock4RevValue},
-    lb4::{Lb4ServiceKey, scope, service_flags},
+    config::{DpConfig, config_flags},
+    ct::{Sock4RevKey, Sock4RevValue, Sock6RevKey, Sock6RevValue},
+    lb::LbBackend,
     stats::{Event, Hook},
 };
 
 use crate::{
-    ct, lb,
-    maps::{CONFIG, SOCK_REVNAT},
+    ct,
+    family::{Family, V4, V6},
+    flow, lb,
+    maps::{CONFIG, SOCK_REVNAT, SOCK_REVNAT6},
     stats,
 };
 
@@ -30,11 +32,15 @@ pub const DENY: i32 = 0;
 const ECONNREFUSED: i32 = 111;
 const ETIMEDOUT: i32 = 110;
 
-/// connect4 and sendmsg4: translate the destination. Returns the hook's
-/// verdict; rejects set the error the caller sees.
+/// connect and sendmsg, both families: translate the destination. Returns
+/// the hook's verdict; rejects set the error the caller sees.
 #[inline(always)]
-pub fn translate(ctx: &SockAddrContext) -> i32 {
-    let event = try_translate(ctx);
+pub fn translate(ctx: &SockAddrContext, v6: bool) -> i32 {
+    let event = if v6 {
+        try_translate6(ctx)
+    } else {
+        try_translate4(ctx)
+    };
     stats::count(Hook::Socket, event, 0);
     match event {
         Event::RejectNoEndpoints | Event::RejectUnknownPort => deny(ECONNREFUSED),
@@ -51,57 +57,46 @@ fn deny(errno: i32) -> i32 {
     DENY
 }
 
+/// The config, if connect-time translation applies to this socket.
 #[inline(always)]
-fn try_translate(ctx: &SockAddrContext) -> Event {
-    let Some(cfg) = CONFIG.get(0) else {
-        return Event::Pass;
-    };
+fn applies(ctx: &SockAddrContext) -> Option<&'static DpConfig> {
+    let cfg = CONFIG.get(0)?;
     if cfg.flags & config_flags::CONFIGURED == 0 {
-        return Event::Pass;
+        return None;
     }
     // SAFETY: helper on our own context.
     if cfg.flags & config_flags::SOCKET_LB_HOST_ONLY != 0
         && unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) } != cfg.host_netns_cookie
     {
-        return Event::Pass;
+        return None;
     }
+    Some(cfg)
+}
+
+/// The backend a socket to `daddr:dport` gets, as the packet path would
+/// choose it for the node itself as the source: in the cluster (eTP=Local
+/// external destinations use the cluster set), its own address for source
+/// ranges.
+#[inline(always)]
+fn pick<F: Family>(cfg: &DpConfig, daddr: F::A, dport: u16, proto: u8) -> Result<LbBackend<F::A>, Event> {
+    let source = F::snat_ip(cfg);
+    let (key, svc) = flow::resolve::<F>(cfg, daddr, dport, proto, source, true)?;
+    let (_, be) = lb::select::<F>(&key, &svc, source, ct::now()).ok_or(Event::DropNoBackend)?;
+    stats::count_service(svc.service_id, 0);
+    Ok(be)
+}
+
+#[inline(always)]
+fn try_translate4(ctx: &SockAddrContext) -> Event {
+    let Some(cfg) = applies(ctx) else {
+        return Event::Pass;
+    };
     let sa: *mut bpf_sock_addr = ctx.sock_addr;
     // SAFETY: the context is valid for the program's run.
     let (daddr, dport, proto) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16, (*sa).protocol as u8) };
-    let mut key = Lb4ServiceKey {
-        address: daddr,
-        port: dport,
-        slot: 0,
-        proto,
-        scope: scope::EXTERNAL,
-        _pad: [0; 2],
-    };
-    let Some(mut svc) = lb::frontend(&key) else {
-        if lb::is_service_address(daddr) {
-            return Event::RejectUnknownPort;
-        }
-        return Event::Pass;
-    };
-    if svc.flags & service_flags::TWO_SCOPES != 0 {
-        key.scope = scope::INTERNAL;
-        match lb::frontend(&key) {
-            Some(s) => svc = s,
-            None => return Event::DropNoBackend,
-        }
-    }
-    let source = cfg.snat_ip;
-    if svc.flags & service_flags::SOURCE_RANGES != 0 && !lb::source_allowed(svc.service_id, source) {
-        return Event::DropSourceRange;
-    }
-    if svc.count == 0 {
-        return if svc.flags & service_flags::REJECT_EMPTY != 0 {
-            Event::RejectNoEndpoints
-        } else {
-            Event::DropNoLocalEndpoint
-        };
-    }
-    let Some((_, be)) = lb::select(&key, &svc, source, ct::now()) else {
-        return Event::DropNoBackend;
+    let be = match pick::<V4>(cfg, daddr, dport, proto) {
+        Ok(be) => be,
+        Err(event) => return event,
     };
     // SAFETY: helper on our own context; writes to writable context fields.
     unsafe {
@@ -120,26 +115,96 @@ fn try_translate(ctx: &SockAddrContext) -> Event {
         (*sa).user_ip4 = be.address;
         (*sa).user_port = be.port as u32;
     }
-    stats::count_service(svc.service_id, 0);
     Event::NewFlow
 }
 
-/// recvmsg4 and getpeername4: show the Service address for a translated
-/// socket's backend.
 #[inline(always)]
-pub fn reverse(ctx: &SockAddrContext) -> i32 {
+fn try_translate6(ctx: &SockAddrContext) -> Event {
+    let Some(cfg) = applies(ctx) else {
+        return Event::Pass;
+    };
     let sa: *mut bpf_sock_addr = ctx.sock_addr;
-    // SAFETY: the context is valid for the program's run; helper on it.
+    // SAFETY: the context is valid for the program's run; the verifier
+    // wants `user_ip6` read and written a word at a time.
+    let (daddr, dport, proto) = unsafe {
+        (
+            [
+                (*sa).user_ip6[0],
+                (*sa).user_ip6[1],
+                (*sa).user_ip6[2],
+                (*sa).user_ip6[3],
+            ],
+            (*sa).user_port as u16,
+            (*sa).protocol as u8,
+        )
+    };
+    let be = match pick::<V6>(cfg, daddr, dport, proto) {
+        Ok(be) => be,
+        Err(event) => return event,
+    };
+    // SAFETY: as above; writes to writable context fields.
     unsafe {
-        let key = Sock4RevKey {
+        let rev = Sock6RevKey {
             cookie: bpf_get_socket_cookie(ctx.sock_addr.cast()),
-            addr: (*sa).user_ip4,
-            port: (*sa).user_port as u16,
+            addr: be.address,
+            port: be.port,
+            _pad: [0; 6],
+        };
+        let value = Sock6RevValue {
+            addr: daddr,
+            port: dport,
             _pad: 0,
         };
-        if let Some(v) = SOCK_REVNAT.get(&key) {
-            (*sa).user_ip4 = v.addr;
-            (*sa).user_port = v.port as u32;
+        let _ = SOCK_REVNAT6.insert(&rev, &value, BPF_ANY as u64);
+        (*sa).user_ip6[0] = be.address[0];
+        (*sa).user_ip6[1] = be.address[1];
+        (*sa).user_ip6[2] = be.address[2];
+        (*sa).user_ip6[3] = be.address[3];
+        (*sa).user_port = be.port as u32;
+    }
+    Event::NewFlow
+}
+
+/// recvmsg and getpeername: show the Service address for a translated
+/// socket's backend.
+#[inline(always)]
+pub fn reverse(ctx: &SockAddrContext, v6: bool) -> i32 {
+    let sa: *mut bpf_sock_addr = ctx.sock_addr;
+    // SAFETY: the context is valid for the program's run; helper on it;
+    // `user_ip6` a word at a time.
+    unsafe {
+        let cookie = bpf_get_socket_cookie(ctx.sock_addr.cast());
+        if v6 {
+            let key = Sock6RevKey {
+                cookie,
+                addr: [
+                    (*sa).user_ip6[0],
+                    (*sa).user_ip6[1],
+                    (*sa).user_ip6[2],
+                    (*sa).user_ip6[3],
+                ],
+                port: (*sa).user_port as u16,
+                _pad: [0; 6],
+            };
+            if let Some(v) = SOCK_REVNAT6.get(&key) {
+                let addr = v.addr;
+                (*sa).user_ip6[0] = addr[0];
+                (*sa).user_ip6[1] = addr[1];
+                (*sa).user_ip6[2] = addr[2];
+                (*sa).user_ip6[3] = addr[3];
+                (*sa).user_port = v.port as u32;
+            }
+        } else {
+            let key = Sock4RevKey {
+                cookie,
+                addr: (*sa).user_ip4,
+                port: (*sa).user_port as u16,
+                _pad: 0,
+            };
+            if let Some(v) = SOCK_REVNAT.get(&key) {
+                (*sa).user_ip4 = v.addr;
+                (*sa).user_port = v.port as u32;
+            }
         }
     }
     ALLOW

@@ -1,5 +1,7 @@
-//! IPv4 load-balancing maps: services (frontend + backend slots), backends,
-//! session affinity, source ranges. IPv6 gets `lb6` twins with the same shape.
+//! Load-balancing maps: services (frontend + backend slots), backends,
+//! session affinity, source ranges; one set per address family, with the
+//! same shapes (keys generic over [`Addr`]: `Lb4*` and `Lb6*` name the
+//! instances). Values without addresses are shared.
 //!
 //! A frontend is (address, port, protocol). Its entries in the services map:
 //! slot 0 holds the frontend ([`Lb4Service::count`], service id, flags);
@@ -18,11 +20,13 @@ pub mod scope {
     pub const INTERNAL: u8 = 1;
 }
 
+use crate::addr::{Addr, Ip6};
+
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Lb4ServiceKey {
+pub struct LbServiceKey<A> {
     /// Frontend address (network order).
-    pub address: u32,
+    pub address: A,
     /// Frontend port (network order); 0 with proto 0 for the wildcard entry.
     pub port: u16,
     /// 0 = frontend, 1..=count = backend slots.
@@ -31,7 +35,10 @@ pub struct Lb4ServiceKey {
     pub scope: u8,
     pub _pad: [u8; 2],
 }
+pub type Lb4ServiceKey = LbServiceKey<u32>;
+pub type Lb6ServiceKey = LbServiceKey<Ip6>;
 crate::assert_layout!(Lb4ServiceKey, 12, 4);
+crate::assert_layout!(Lb6ServiceKey, 24, 4);
 
 /// Value of the services map. For slot 0 (the frontend) every field but
 /// `backend_id` is meaningful; for backend slots only `backend_id`.
@@ -84,16 +91,19 @@ pub mod service_flags {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Lb4Backend {
+pub struct LbBackend<A> {
     /// Network order.
-    pub address: u32,
+    pub address: A,
     /// Network order.
     pub port: u16,
     pub proto: u8,
     /// [`backend_flags`]; 0 means the slot is free (id not in use).
     pub flags: u8,
 }
+pub type Lb4Backend = LbBackend<u32>;
+pub type Lb6Backend = LbBackend<Ip6>;
 crate::assert_layout!(Lb4Backend, 8, 4);
+crate::assert_layout!(Lb6Backend, 20, 4);
 
 pub mod backend_flags {
     /// The id is in use.
@@ -108,12 +118,15 @@ pub mod backend_flags {
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Lb4AffinityKey {
+pub struct AffinityKey<A> {
     /// Client address (network order).
-    pub client: u32,
+    pub client: A,
     pub service_id: u32,
 }
+pub type Lb4AffinityKey = AffinityKey<u32>;
+pub type Lb6AffinityKey = AffinityKey<Ip6>;
 crate::assert_layout!(Lb4AffinityKey, 8, 4);
+crate::assert_layout!(Lb6AffinityKey, 20, 4);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -132,22 +145,24 @@ crate::assert_layout!(Lb4AffinityValue, 16, 8);
 /// address. Both in network order, so the trie compares them MSB first.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct Lb4SourceRangeData {
+pub struct SourceRangeData<A> {
     /// Service id, big-endian.
     pub service_id_be: u32,
     /// Network order.
-    pub address: u32,
+    pub address: A,
 }
+pub type Lb4SourceRangeData = SourceRangeData<u32>;
+pub type Lb6SourceRangeData = SourceRangeData<Ip6>;
 crate::assert_layout!(Lb4SourceRangeData, 8, 4);
+crate::assert_layout!(Lb6SourceRangeData, 20, 4);
 
-crate::impl_pod!(
-    Lb4ServiceKey,
-    Lb4Service,
-    Lb4Backend,
-    Lb4AffinityKey,
-    Lb4AffinityValue,
-    Lb4SourceRangeData
-);
+impl<A: Addr> SourceRangeData<A> {
+    /// Bits of the LPM key: the service id fully, then the address.
+    pub const BITS: u32 = 32 + 8 * core::mem::size_of::<A>() as u32;
+}
+
+crate::impl_pod!(Lb4Service, Lb4AffinityValue);
+crate::impl_pod_generic!(LbServiceKey, LbBackend, AffinityKey, SourceRangeData);
 
 /// Who a service id belongs to, for `inspect` and for a restarted agent to
 /// keep ids stable. Written by the agent only; NUL-padded UTF-8.
@@ -159,7 +174,10 @@ pub struct Lb4ServiceName {
     /// Service port names are at most 15 characters (IANA service names).
     pub port_name: [u8; 16],
     pub proto: u8,
-    pub _pad: [u8; 3],
+    /// The Service port's IP family: 6 for IPv6, else IPv4 (0 in names
+    /// written before dual-stack, which were all IPv4).
+    pub family: u8,
+    pub _pad: [u8; 2],
 }
 crate::assert_layout!(Lb4ServiceName, 148, 1);
 crate::impl_pod!(Lb4ServiceName);

@@ -1,0 +1,382 @@
+//! One packet path, two program types: what differs between XDP and TC is
+//! behind [`Ctx`] (as Cilium's `bpf/ctx/{xdp,skb}.h`), so the translation
+//! logic in `path`, `icmp` and `nat` is written once.
+//!
+//! - Memory: both give direct packet access; an skb may hold part of the
+//!   packet in fragments, so TC first pulls the headers into the linear area.
+//! - Checksums: XDP sees frames as they came off the wire, with complete
+//!   checksums, and updates them incrementally (RFC 1624). An skb's L4
+//!   checksum may be CHECKSUM_PARTIAL (a pseudo-header sum awaiting
+//!   offload) or covered by `skb->csum` (CHECKSUM_COMPLETE): only the
+//!   kernel's csum helpers know, so TC rewrites go through them.
+//! - Sending a packet back where it came from: `XDP_TX`, or a redirect to
+//!   the ingress device's egress for TC.
+
+use aya_ebpf::{
+    bindings::{
+        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM, TC_ACT_OK, TC_ACT_SHOT,
+        xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
+    },
+    helpers::{bpf_redirect, bpf_skb_change_tail, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
+    programs::{TcContext, XdpContext},
+};
+use dataplane_common::{addr::Addr, proto, sctp};
+
+use crate::{
+    csum,
+    family::Family,
+    parse::{Pkt, ip, l4},
+};
+
+/// Which half of the tuple a hook rewrites: destinations where packets
+/// enter the node, sources where they leave it.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    Src,
+    Dst,
+}
+
+/// Bytes of headers the TC programs make directly readable: L2 with two
+/// tags, an IPv4 header with options, and an ICMP error's quote (IP header
+/// and 8 bytes of L4) behind its own 8-byte header.
+pub const PULL_LEN: u32 = 14 + 8 + 60 + 8 + 20 + 8 + 10;
+
+pub trait Ctx {
+    /// The program type's return value.
+    type Verdict: Copy + Into<i64> + FromVerdict;
+    const PASS: Self::Verdict;
+    const DROP: Self::Verdict;
+
+    fn data(&self) -> usize;
+    fn data_end(&self) -> usize;
+    /// The whole packet's length (an skb's can exceed the linear part).
+    fn packet_len(&self) -> usize;
+    /// Makes the headers directly readable when they are not yet (TC: pulls
+    /// up to [`PULL_LEN`] bytes into the linear area; pointers must be
+    /// derived after this). Returns whether it moved anything, i.e. whether
+    /// a parse that ran short may now succeed. Pulling is not free: on a
+    /// cloned skb (every TCP segment a local socket sends) it copies the
+    /// head, so the path pulls only when a parse ran short or before a
+    /// reject or an ICMP error's quote is read.
+    fn pull_headers(&self) -> bool;
+    /// Rewrites one side's address and port, with the IP (IPv4) and L4
+    /// checksums.
+    fn rewrite<F: Family>(&self, pkt: &Pkt<F::A>, side: Side, addr: F::A, port: u16) -> Option<()>;
+    /// Stores `value` at `offset`; the caller keeps the checksums right.
+    fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()>;
+
+    /// Replaces the packet by an L2 header with swapped MAC addresses (tags
+    /// kept) followed by `l3_frame`, and sends it back out of the device it
+    /// came in on. `l3` is the L2 header's length.
+    fn send_back<const N: usize>(&self, l3: usize, l3_frame: &[u8; N]) -> Option<Self::Verdict>;
+}
+
+/// Rewrites an SCTP skb's address (IPv4: and the IP header checksum) and
+/// port. SCTP's CRC32c has no pseudo-header: only a port change changes
+/// it, by a delta computed from the change alone (see
+/// `dataplane_common::sctp`); an skb with CRC offload pending recomputes
+/// the field anyway. (XDP's twin is inline in its `rewrite`.)
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn rewrite_sctp_tc<F: Family>(
+    ctx: &TcContext,
+    pkt: &Pkt<F::A>,
+    addr_off: usize,
+    port_off: usize,
+    old_addr: F::A,
+    addr: F::A,
+    old_port: u16,
+    port: u16,
+) -> Option<()> {
+    let sctp_len = (pkt.tot_len as usize).checked_sub(pkt.l4 - pkt.l3)? as u32;
+    // Through the load helper: offsets past variable-length headers.
+    let crc: u32 = TcContext::load(ctx, pkt.l4 + l4::SCTP_CHECK).ok()?;
+    if F::IP_CHECKSUM && old_addr != addr {
+        ctx.l3_csum_replace(pkt.l3 + ip::CHECK, 0, old_addr.csum_diff(&addr) as u64, 0)
+            .ok()?;
+    }
+    Ctx::store(ctx, pkt.l3 + addr_off, &addr)?;
+    if old_port != port {
+        // Stored little-endian: the CRC value as read on this little-endian
+        // target.
+        let delta = sctp_delta(sctp_len, port_off as u32, old_port, port);
+        // Not compensated within the one's-complement sums: a
+        // CHECKSUM_COMPLETE skb's sum is updated too.
+        let recompute = BPF_F_RECOMPUTE_CSUM as u64;
+        TcContext::store(
+            ctx,
+            pkt.l4 + l4::SCTP_CHECK,
+            &sctp::rewritten_crc(crc, delta),
+            recompute,
+        )
+        .ok()?;
+        TcContext::store(ctx, pkt.l4 + port_off, &port, recompute).ok()?;
+    }
+    Some(())
+}
+
+/// The CRC32c change of an SCTP port rewrite (see `dataplane_common::sctp`):
+/// a subprogram, so that the verifier walks its loops once and prunes the
+/// later calls, instead of once per path that inlines it.
+#[inline(never)]
+fn sctp_delta(len: u32, offset: u32, old: u16, new: u16) -> u32 {
+    sctp::crc32c_delta16(len, offset, old, new)
+}
+
+/// Pointer to a `T` at `offset`, if the whole `T` lies in the linear data.
+#[inline(always)]
+pub fn ptr_at<C: Ctx, T>(ctx: &C, offset: usize) -> Option<*mut T> {
+    let start = ctx.data();
+    if start + offset + core::mem::size_of::<T>() > ctx.data_end() {
+        return None;
+    }
+    Some((start + offset) as *mut T)
+}
+
+/// Reads a `T` at `offset` (headers are not aligned in general).
+#[inline(always)]
+pub fn load<C: Ctx, T: Copy>(ctx: &C, offset: usize) -> Option<T> {
+    // SAFETY: bounds checked by ptr_at; an unaligned read of plain bytes.
+    ptr_at::<C, T>(ctx, offset).map(|p| unsafe { p.read_unaligned() })
+}
+
+impl Ctx for XdpContext {
+    type Verdict = u32;
+    const PASS: u32 = XDP_PASS;
+    const DROP: u32 = XDP_DROP;
+
+    #[inline(always)]
+    fn data(&self) -> usize {
+        XdpContext::data(self)
+    }
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        XdpContext::data_end(self)
+    }
+    #[inline(always)]
+    fn packet_len(&self) -> usize {
+        XdpContext::data_end(self) - XdpContext::data(self)
+    }
+    #[inline(always)]
+    fn pull_headers(&self) -> bool {
+        false
+    }
+
+    #[inline(always)]
+    fn rewrite<F: Family>(&self, pkt: &Pkt<F::A>, side: Side, addr: F::A, port: u16) -> Option<()> {
+        let t = &pkt.tuple;
+        let (addr_off, port_off, old_addr, old_port) = match side {
+            Side::Src => (F::SADDR, l4::SPORT, t.saddr, t.sport),
+            Side::Dst => (F::DADDR, l4::DPORT, t.daddr, t.dport),
+        };
+        // Every pointer is checked before the first write, so the frame is
+        // either fully rewritten or untouched.
+        let ip_check = ptr_at::<_, u16>(self, pkt.l3 + ip::CHECK)?;
+        let addr_ptr = ptr_at::<_, F::A>(self, pkt.l3 + addr_off)?;
+        let l4h = ptr_at::<_, [u8; l4::UDP_HLEN]>(self, pkt.l4)? as usize;
+        if t.proto == proto::SCTP {
+            let crc_ptr = ptr_at::<_, u32>(self, pkt.l4 + l4::SCTP_CHECK)?;
+            let sctp_len = (pkt.tot_len as usize).checked_sub(pkt.l4 - pkt.l3)? as u32;
+            // SAFETY: all pointers are inside the frame (checked above).
+            unsafe {
+                if F::IP_CHECKSUM {
+                    ip_check
+                        .write_unaligned(csum::apply(ip_check.read_unaligned(), old_addr.csum_diff(&addr)));
+                }
+                addr_ptr.write_unaligned(addr);
+                if old_port != port {
+                    let delta = sctp_delta(sctp_len, port_off as u32, old_port, port);
+                    crc_ptr.write_unaligned(sctp::rewritten_crc(crc_ptr.read_unaligned(), delta));
+                    ((l4h + port_off) as *mut u16).write_unaligned(port);
+                }
+            }
+            return Some(());
+        }
+        let l4_check = match t.proto {
+            proto::TCP => ptr_at::<_, u16>(self, pkt.l4 + l4::TCP_CHECK)?,
+            proto::UDP => (l4h + l4::UDP_CHECK) as *mut u16,
+            _ => return None,
+        };
+        let addr_diff = old_addr.csum_diff(&addr);
+        // SAFETY: all pointers are inside the frame (checked above); plain
+        // unaligned stores of header fields.
+        unsafe {
+            if F::IP_CHECKSUM {
+                ip_check.write_unaligned(csum::apply(ip_check.read_unaligned(), addr_diff));
+            }
+            addr_ptr.write_unaligned(addr);
+            let old = l4_check.read_unaligned();
+            // A zero UDP checksum means "none" (IPv4): it stays zero.
+            if !(t.proto == proto::UDP && old == 0) {
+                let mut new = csum::apply(old, addr_diff + csum::diff16(old_port, port));
+                if t.proto == proto::UDP && new == 0 {
+                    new = 0xffff;
+                }
+                l4_check.write_unaligned(new);
+            }
+            ((l4h + port_off) as *mut u16).write_unaligned(port);
+        }
+        Some(())
+    }
+
+    #[inline(always)]
+    fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()> {
+        let p = ptr_at::<_, T>(self, offset)?;
+        // SAFETY: bounds checked by ptr_at.
+        unsafe { p.write_unaligned(*value) };
+        Some(())
+    }
+
+    #[inline(always)]
+    fn send_back<const N: usize>(&self, l3: usize, l3_frame: &[u8; N]) -> Option<u32> {
+        // The MAC addresses and what follows them up to L3 (tags, ethertype).
+        let macs: [u8; 12] = load(self, 0)?;
+        let l2_rest: [u8; 10] = load(self, 12)?;
+        let delta = (l3 + N) as i32 - self.packet_len() as i32;
+        if delta < 0 {
+            // SAFETY: helper on our own context; pointers are re-derived
+            // after it.
+            if unsafe { bpf_xdp_adjust_tail(self.ctx, delta) } != 0 {
+                return None;
+            }
+        } else if delta > 0 {
+            // The mask keeps the bound visible to the verifier.
+            if delta > 63 {
+                return None;
+            }
+            let grow = (delta as u32 & 0x3f) as i32;
+            // Grow at the head, which every driver supports (tail growth
+            // fails on some, veth among them), and move the tags and the
+            // ethertype to the new start.
+            // SAFETY: as above.
+            if unsafe { bpf_xdp_adjust_head(self.ctx, -grow) } != 0 {
+                return None;
+            }
+            let r = l2_rest;
+            match l3 {
+                14 => self.store(12, &[r[0], r[1]])?,
+                18 => self.store(12, &[r[0], r[1], r[2], r[3], r[4], r[5]])?,
+                22 => self.store(12, &r)?,
+                _ => return None,
+            }
+        }
+        let mut swapped = [0u8; 12];
+        swapped[..6].copy_from_slice(&macs[6..]);
+        swapped[6..].copy_from_slice(&macs[..6]);
+        self.store(0, &swapped)?;
+        self.store(l3, l3_frame)?;
+        Some(XDP_TX)
+    }
+}
+
+impl Ctx for TcContext {
+    type Verdict = i32;
+    const PASS: i32 = TC_ACT_OK;
+    const DROP: i32 = TC_ACT_SHOT;
+
+    #[inline(always)]
+    fn data(&self) -> usize {
+        TcContext::data(self)
+    }
+    #[inline(always)]
+    fn data_end(&self) -> usize {
+        TcContext::data_end(self)
+    }
+    #[inline(always)]
+    fn packet_len(&self) -> usize {
+        self.len() as usize
+    }
+
+    #[inline(always)]
+    fn pull_headers(&self) -> bool {
+        let len = self.len();
+        let want = if len < PULL_LEN { len } else { PULL_LEN };
+        if (TcContext::data_end(self) - TcContext::data(self)) as u32 >= want {
+            return false;
+        }
+        // A failure leaves the headers where they were: the bounds checks
+        // of every later read then treat the packet as truncated.
+        self.pull_data(want).is_ok()
+    }
+
+    #[inline(always)]
+    fn rewrite<F: Family>(&self, pkt: &Pkt<F::A>, side: Side, addr: F::A, port: u16) -> Option<()> {
+        let t = &pkt.tuple;
+        let (addr_off, port_off, old_addr, old_port) = match side {
+            Side::Src => (F::SADDR, l4::SPORT, t.saddr, t.sport),
+            Side::Dst => (F::DADDR, l4::DPORT, t.daddr, t.dport),
+        };
+        if t.proto == proto::SCTP {
+            return rewrite_sctp_tc::<F>(self, pkt, addr_off, port_off, old_addr, addr, old_port, port);
+        }
+        let l4_check = pkt.l4_check();
+        let mangled = if t.proto == proto::UDP {
+            BPF_F_MARK_MANGLED_0
+        } else {
+            0
+        } as u64;
+        if old_addr != addr {
+            // The helpers' "by difference" form (field size 0) takes a
+            // checksum delta, whatever the address's size.
+            let diff = old_addr.csum_diff(&addr) as u64;
+            self.l4_csum_replace(l4_check, 0, diff, BPF_F_PSEUDO_HDR as u64 | mangled)
+                .ok()?;
+            if F::IP_CHECKSUM {
+                self.l3_csum_replace(pkt.l3 + ip::CHECK, 0, diff, 0).ok()?;
+            }
+            TcContext::store(self, pkt.l3 + addr_off, &addr, 0).ok()?;
+        }
+        if old_port != port {
+            self.l4_csum_replace(l4_check, old_port as u64, port as u64, mangled | 2)
+                .ok()?;
+            TcContext::store(self, pkt.l4 + port_off, &port, 0).ok()?;
+        }
+        Some(())
+    }
+
+    #[inline(always)]
+    fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()> {
+        // Callers compensate every change within the covered checksums, so
+        // a CHECKSUM_COMPLETE skb's sum stays right without recomputation.
+        TcContext::store(self, offset, value, 0).ok()
+    }
+
+    #[inline(always)]
+    fn send_back<const N: usize>(&self, l3: usize, l3_frame: &[u8; N]) -> Option<i32> {
+        let macs: [u8; 12] = load(self, 0)?;
+        if l3 > 22 {
+            return None;
+        }
+        // SAFETY: helper on our own context.
+        if unsafe { bpf_skb_change_tail(self.skb.skb, (l3 + N) as u32, 0) } != 0 {
+            return None;
+        }
+        let mut swapped = [0u8; 12];
+        swapped[..6].copy_from_slice(&macs[6..]);
+        swapped[6..].copy_from_slice(&macs[..6]);
+        Ctx::store(self, 0, &swapped)?;
+        Ctx::store(self, l3, l3_frame)?;
+        // SAFETY: reads the context's ifindex; helper without pointers.
+        let ifindex = unsafe { (*self.skb.skb).ifindex };
+        Some(unsafe { bpf_redirect(ifindex, 0) } as i32)
+    }
+}
+
+/// A verdict from the high half of a packed `path::Step`.
+pub trait FromVerdict {
+    fn from_packed(packed: u64) -> Self;
+}
+
+impl FromVerdict for u32 {
+    #[inline(always)]
+    fn from_packed(packed: u64) -> Self {
+        (packed >> 32) as u32
+    }
+}
+
+impl FromVerdict for i32 {
+    #[inline(always)]
+    fn from_packed(packed: u64) -> Self {
+        (packed >> 32) as u32 as i32
+    }
+}

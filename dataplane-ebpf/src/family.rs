@@ -1,0 +1,167 @@
+//! Address families: the one packet path runs for IPv4 and IPv6 through
+//! this trait, which names each family's maps, header offsets and config.
+//! Everything else (conntrack, SNAT, the new-flow decision, rewrites) is
+//! written once, generic over [`Family`].
+
+use aya_ebpf::maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray};
+use dataplane_common::{
+    addr::{Addr, Ip6},
+    config::DpConfig,
+    ct::{CtEntry, CtKey},
+    lb::{AffinityKey, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData},
+    proto,
+};
+
+use crate::{
+    ctx::Ctx,
+    maps::{
+        AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CT_SCRATCH4, CT_SCRATCH6, CT4, CT6, CtScratch, SERVICES,
+        SERVICES6, SOURCE_RANGES, SOURCE_RANGES6,
+    },
+    parse::{Parsed, Pkt, parse4, parse6},
+};
+
+pub trait Family: 'static {
+    type A: Addr;
+    /// Offsets of the addresses in the IP header.
+    const SADDR: usize;
+    const DADDR: usize;
+    /// Whether the IP header carries a checksum (IPv4) or only the L4
+    /// pseudo-header covers the addresses (IPv6).
+    const IP_CHECKSUM: bool;
+    /// ICMP's protocol number in this family.
+    const ICMP: u8;
+
+    /// Parses the packet whose IP header of this family starts at `l3`;
+    /// anything but a packet we may translate comes back as `Err`.
+    fn parse<C: Ctx>(ctx: &C, l3: usize) -> Result<Pkt<Self::A>, Parsed>;
+
+    fn ct() -> &'static LruHashMap<CtKey<Self::A>, CtEntry<Self::A>>;
+    fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::A>>;
+    fn services() -> &'static HashMap<LbServiceKey<Self::A>, Lb4Service>;
+    fn backends() -> &'static Array<LbBackend<Self::A>>;
+    fn affinity() -> &'static LruHashMap<AffinityKey<Self::A>, Lb4AffinityValue>;
+    fn source_ranges() -> &'static LpmTrie<SourceRangeData<Self::A>, u8>;
+
+    /// The node's SNAT address in this family (zero: none).
+    fn snat_ip(cfg: &DpConfig) -> Self::A;
+    /// `a` is in the cluster CIDR ("local traffic").
+    fn in_cluster(cfg: &DpConfig, a: &Self::A) -> bool;
+    fn cluster_cidr_set(cfg: &DpConfig) -> bool;
+    fn in_service_cidr(cfg: &DpConfig, a: &Self::A) -> bool;
+}
+
+pub struct V4;
+pub struct V6;
+
+impl Family for V4 {
+    type A = u32;
+    const SADDR: usize = crate::parse::ip::SADDR;
+    const DADDR: usize = crate::parse::ip::DADDR;
+    const IP_CHECKSUM: bool = true;
+    const ICMP: u8 = proto::ICMP;
+
+    #[inline(always)]
+    fn parse<C: Ctx>(ctx: &C, l3: usize) -> Result<Pkt<u32>, Parsed> {
+        match parse4(ctx, l3) {
+            Parsed::V4(p) => Ok(p),
+            other => Err(other),
+        }
+    }
+    #[inline(always)]
+    fn ct() -> &'static LruHashMap<CtKey<u32>, CtEntry<u32>> {
+        &CT4
+    }
+    #[inline(always)]
+    fn ct_scratch() -> &'static PerCpuArray<CtScratch<u32>> {
+        &CT_SCRATCH4
+    }
+    #[inline(always)]
+    fn services() -> &'static HashMap<LbServiceKey<u32>, Lb4Service> {
+        &SERVICES
+    }
+    #[inline(always)]
+    fn backends() -> &'static Array<LbBackend<u32>> {
+        &BACKENDS
+    }
+    #[inline(always)]
+    fn affinity() -> &'static LruHashMap<AffinityKey<u32>, Lb4AffinityValue> {
+        &AFFINITY
+    }
+    #[inline(always)]
+    fn source_ranges() -> &'static LpmTrie<SourceRangeData<u32>, u8> {
+        &SOURCE_RANGES
+    }
+    #[inline(always)]
+    fn snat_ip(cfg: &DpConfig) -> u32 {
+        cfg.snat_ip
+    }
+    #[inline(always)]
+    fn in_cluster(cfg: &DpConfig, a: &u32) -> bool {
+        cfg.cluster_cidr.contains(*a)
+    }
+    #[inline(always)]
+    fn cluster_cidr_set(cfg: &DpConfig) -> bool {
+        cfg.cluster_cidr.is_set()
+    }
+    #[inline(always)]
+    fn in_service_cidr(cfg: &DpConfig, a: &u32) -> bool {
+        cfg.in_service_cidr(*a)
+    }
+}
+
+impl Family for V6 {
+    type A = Ip6;
+    const SADDR: usize = crate::parse::ip6::SADDR;
+    const DADDR: usize = crate::parse::ip6::DADDR;
+    const IP_CHECKSUM: bool = false;
+    const ICMP: u8 = proto::ICMPV6;
+
+    #[inline(always)]
+    fn parse<C: Ctx>(ctx: &C, l3: usize) -> Result<Pkt<Ip6>, Parsed> {
+        match parse6(ctx, l3) {
+            Parsed::V6(p) => Ok(p),
+            other => Err(other),
+        }
+    }
+    #[inline(always)]
+    fn ct() -> &'static LruHashMap<CtKey<Ip6>, CtEntry<Ip6>> {
+        &CT6
+    }
+    #[inline(always)]
+    fn ct_scratch() -> &'static PerCpuArray<CtScratch<Ip6>> {
+        &CT_SCRATCH6
+    }
+    #[inline(always)]
+    fn services() -> &'static HashMap<LbServiceKey<Ip6>, Lb4Service> {
+        &SERVICES6
+    }
+    #[inline(always)]
+    fn backends() -> &'static Array<LbBackend<Ip6>> {
+        &BACKENDS6
+    }
+    #[inline(always)]
+    fn affinity() -> &'static LruHashMap<AffinityKey<Ip6>, Lb4AffinityValue> {
+        &AFFINITY6
+    }
+    #[inline(always)]
+    fn source_ranges() -> &'static LpmTrie<SourceRangeData<Ip6>, u8> {
+        &SOURCE_RANGES6
+    }
+    #[inline(always)]
+    fn snat_ip(cfg: &DpConfig) -> Ip6 {
+        cfg.snat_ip6
+    }
+    #[inline(always)]
+    fn in_cluster(cfg: &DpConfig, a: &Ip6) -> bool {
+        cfg.cluster_cidr6.contains(a)
+    }
+    #[inline(always)]
+    fn cluster_cidr_set(cfg: &DpConfig) -> bool {
+        cfg.cluster_cidr6.is_set()
+    }
+    #[inline(always)]
+    fn in_service_cidr(cfg: &DpConfig, a: &Ip6) -> bool {
+        cfg.in_service_cidr6(a)
+    }
+}

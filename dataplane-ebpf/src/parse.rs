@@ -1,0 +1,364 @@
+//! Header parsing shared by every packet program. Offsets come from the
+//! `network-types` header structs; every read is bounds-checked against the
+//! end of the directly readable data, and anything that does not parse
+//! cleanly is reported as such and never translated.
+
+use core::mem::{offset_of, size_of};
+
+use dataplane_common::{
+    addr::{Addr, Ip6},
+    ct::CtKey,
+    proto,
+};
+use network_types::{
+    eth::EthHdr,
+    icmp::{Icmpv4Hdr, Icmpv6Hdr},
+    ip::{Ipv4Hdr, Ipv6Hdr},
+    tcp::TcpHdr,
+    udp::UdpHdr,
+    vlan::VlanHdr,
+};
+
+use crate::ctx::{Ctx, load, ptr_at};
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+/// IPv4 "more fragments" flag and fragment offset, host order.
+const IP_MF: u16 = 0x2000;
+const IP_OFFSET: u16 = 0x1fff;
+
+pub const TCP_FIN: u8 = 0x01;
+pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
+pub const TCP_ACK: u8 = 0x10;
+
+/// Ethernet.
+pub mod eth {
+    use super::*;
+    pub const HLEN: usize = EthHdr::LEN;
+    pub const ETHERTYPE: usize = offset_of!(EthHdr, ether_type);
+    /// A VLAN tag's length, and where its inner ethertype sits in it.
+    pub const VLAN_HLEN: usize = size_of::<VlanHdr>();
+    pub const VLAN_ETHERTYPE: usize = offset_of!(VlanHdr, ether_type);
+}
+
+/// IPv4 header fields, from the start of the header.
+pub mod ip {
+    use super::*;
+    pub const HLEN: usize = Ipv4Hdr::LEN;
+    pub const TOT_LEN: usize = offset_of!(Ipv4Hdr, tot_len);
+    pub const FRAG_OFF: usize = offset_of!(Ipv4Hdr, frags);
+    pub const TTL: usize = offset_of!(Ipv4Hdr, ttl);
+    pub const PROTO: usize = offset_of!(Ipv4Hdr, proto);
+    pub const CHECK: usize = offset_of!(Ipv4Hdr, check);
+    pub const SADDR: usize = offset_of!(Ipv4Hdr, src_addr);
+    pub const DADDR: usize = offset_of!(Ipv4Hdr, dst_addr);
+}
+
+/// IPv6 header fields, from the start of the header.
+pub mod ip6 {
+    use super::*;
+    pub const HLEN: usize = Ipv6Hdr::LEN;
+    pub const PAYLOAD_LEN: usize = offset_of!(Ipv6Hdr, payload_len);
+    pub const NEXT_HDR: usize = offset_of!(Ipv6Hdr, next_hdr);
+    pub const SADDR: usize = offset_of!(Ipv6Hdr, src_addr);
+    pub const DADDR: usize = offset_of!(Ipv6Hdr, dst_addr);
+    /// Extension headers: hop-by-hop options, routing, fragment,
+    /// authentication, destination options; "no next header".
+    pub const HOPOPTS: u8 = 0;
+    pub const ROUTING: u8 = 43;
+    pub const FRAGMENT: u8 = 44;
+    pub const ESP: u8 = 50;
+    pub const AUTH: u8 = 51;
+    pub const NONE: u8 = 59;
+    pub const DSTOPTS: u8 = 60;
+    /// Extension headers followed before giving up (passing the packet).
+    pub const MAX_EXT: usize = 4;
+    /// The L4 header must start within this many bytes of the frame start:
+    /// offsets travel in one byte between subprograms (`path::Step`).
+    pub const MAX_L4: usize = 200;
+}
+
+/// L4 header fields, from the start of the header. TCP and UDP (and SCTP)
+/// share the port layout.
+pub mod l4 {
+    use super::*;
+    pub const SPORT: usize = offset_of!(TcpHdr, source);
+    pub const DPORT: usize = offset_of!(TcpHdr, dest);
+    pub const TCP_HLEN: usize = TcpHdr::LEN;
+    /// The data-offset nibble (high half of the bitfield's first byte) and
+    /// the flags byte (its second byte).
+    pub const TCP_DOFF: usize = offset_of!(TcpHdr, _bitfield_1);
+    pub const TCP_FLAGS: usize = TCP_DOFF + 1;
+    pub const TCP_CHECK: usize = offset_of!(TcpHdr, check);
+    pub const UDP_HLEN: usize = UdpHdr::LEN;
+    pub const UDP_CHECK: usize = offset_of!(UdpHdr, check);
+    /// SCTP's common header: ports, verification tag, CRC32c.
+    pub const SCTP_HLEN: usize = 12;
+    pub const SCTP_CHECK: usize = 8;
+    pub const ICMP_HLEN: usize = Icmpv4Hdr::LEN;
+    pub const ICMP_CHECK: usize = offset_of!(Icmpv4Hdr, check);
+    const _: () = assert!(Icmpv6Hdr::LEN == ICMP_HLEN && offset_of!(Icmpv6Hdr, check) == ICMP_CHECK);
+    const _: () = assert!(offset_of!(UdpHdr, src) == SPORT && offset_of!(UdpHdr, dst) == DPORT);
+}
+
+/// An IP packet whose L4 header (TCP, UDP, SCTP's ports, or the first 8
+/// bytes of ICMP) is in the linear data. Offsets are from the frame start.
+#[derive(Clone, Copy)]
+pub struct Pkt<A> {
+    pub l3: usize,
+    pub l4: usize,
+    /// saddr, daddr, ports (ICMP: 0), proto (the L4 protocol, after IPv6
+    /// extension headers); as they lie in the packet.
+    pub tuple: CtKey<A>,
+    /// TCP flags byte (0 for other protocols).
+    pub tcp_flags: u8,
+    /// Bytes of the IP packet (host order).
+    pub tot_len: u16,
+}
+
+impl<A: Addr> Pkt<A> {
+    /// Offset of the L4 checksum field, for the protocols we rewrite.
+    #[inline(always)]
+    pub fn l4_check(&self) -> usize {
+        if self.tuple.proto == proto::TCP {
+            self.l4 + l4::TCP_CHECK
+        } else {
+            self.l4 + l4::UDP_CHECK
+        }
+    }
+
+    /// A TCP SYN without ACK: a client opening a connection.
+    #[inline(always)]
+    pub fn is_syn(&self) -> bool {
+        self.tuple.proto == proto::TCP && self.tcp_flags & (TCP_SYN | TCP_ACK) == TCP_SYN
+    }
+}
+
+pub enum Parsed {
+    V4(Pkt<u32>),
+    V6(Pkt<Ip6>),
+    /// Not IP (ARP, ...), or IP we do not translate (IPsec): not ours.
+    Other,
+    /// A fragment: its L4 header is absent or alone; never translated.
+    Fragment,
+    /// A header that does not parse: never translated.
+    Malformed,
+}
+
+/// Length of the L2 header (Ethernet plus up to two VLAN tags) and the inner
+/// ethertype, host order.
+#[inline(always)]
+fn l2<C: Ctx>(ctx: &C) -> Option<(usize, u16)> {
+    let mut off = eth::HLEN;
+    let mut ethertype = u16::from_be(load::<C, u16>(ctx, eth::ETHERTYPE)?);
+    // Two tags at most (802.1ad + 802.1Q); unrolled for the verifier.
+    if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
+        ethertype = u16::from_be(load::<C, u16>(ctx, off + eth::VLAN_ETHERTYPE)?);
+        off += eth::VLAN_HLEN;
+        if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
+            ethertype = u16::from_be(load::<C, u16>(ctx, off + eth::VLAN_ETHERTYPE)?);
+            off += eth::VLAN_HLEN;
+        }
+    }
+    Some((off, ethertype))
+}
+
+#[inline(always)]
+pub fn parse<C: Ctx>(ctx: &C) -> Parsed {
+    let Some((l3, ethertype)) = l2(ctx) else {
+        return Parsed::Malformed;
+    };
+    match ethertype {
+        ETH_P_IP => parse4(ctx, l3),
+        ETH_P_IPV6 => parse6(ctx, l3),
+        _ => Parsed::Other,
+    }
+}
+
+/// Which family a frame carries, and where its IP header starts: what the
+/// paths dispatch on before parsing (each family's parse and path is a
+/// subprogram of its own).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    V4(usize),
+    V6(usize),
+    Other,
+    Malformed,
+}
+
+#[inline(always)]
+pub fn kind<C: Ctx>(ctx: &C) -> Kind {
+    match l2(ctx) {
+        Some((l3, ETH_P_IP)) => Kind::V4(l3),
+        Some((l3, ETH_P_IPV6)) => Kind::V6(l3),
+        Some(_) => Kind::Other,
+        None => Kind::Malformed,
+    }
+}
+
+#[inline(always)]
+pub fn parse4<C: Ctx>(ctx: &C, l3: usize) -> Parsed {
+    let Some(ver_ihl) = load::<C, u8>(ctx, l3) else {
+        return Parsed::Malformed;
+    };
+    let ihl = ((ver_ihl & 0x0f) as usize) * 4;
+    if ver_ihl >> 4 != 4 || ihl < ip::HLEN || ptr_at::<C, [u8; ip::HLEN]>(ctx, l3).is_none() {
+        return Parsed::Malformed;
+    }
+    let (Some(tot_len), Some(frag), Some(proto), Some(saddr), Some(daddr)) = (
+        load::<C, u16>(ctx, l3 + ip::TOT_LEN),
+        load::<C, u16>(ctx, l3 + ip::FRAG_OFF),
+        load::<C, u8>(ctx, l3 + ip::PROTO),
+        load::<C, u32>(ctx, l3 + ip::SADDR),
+        load::<C, u32>(ctx, l3 + ip::DADDR),
+    ) else {
+        return Parsed::Malformed;
+    };
+    let tot_len = u16::from_be(tot_len);
+    // Truncated: the IP header claims more than the frame holds.
+    if (tot_len as usize) < ihl || l3 + tot_len as usize > ctx.packet_len() {
+        return Parsed::Malformed;
+    }
+    if u16::from_be(frag) & (IP_MF | IP_OFFSET) != 0 {
+        return Parsed::Fragment;
+    }
+    let l4 = l3 + ihl;
+    match l4_header(ctx, proto, proto::ICMP, l4, (tot_len as usize) - ihl) {
+        Some((sport, dport, tcp_flags)) => Parsed::V4(Pkt {
+            l3,
+            l4,
+            tuple: CtKey {
+                saddr,
+                daddr,
+                sport,
+                dport,
+                proto,
+                _pad: [0; 3],
+            },
+            tcp_flags,
+            tot_len,
+        }),
+        None => Parsed::Malformed,
+    }
+}
+
+/// IPv6, its extension headers followed (a bounded number: a packet whose
+/// L4 header we cannot reach is passed untouched, never translated).
+#[inline(always)]
+pub fn parse6<C: Ctx>(ctx: &C, l3: usize) -> Parsed {
+    if ptr_at::<C, [u8; ip6::HLEN]>(ctx, l3).is_none() {
+        return Parsed::Malformed;
+    }
+    let (Some(vtc), Some(payload_len), Some(next), Some(saddr), Some(daddr)) = (
+        load::<C, u8>(ctx, l3),
+        load::<C, u16>(ctx, l3 + ip6::PAYLOAD_LEN),
+        load::<C, u8>(ctx, l3 + ip6::NEXT_HDR),
+        load::<C, Ip6>(ctx, l3 + ip6::SADDR),
+        load::<C, Ip6>(ctx, l3 + ip6::DADDR),
+    ) else {
+        return Parsed::Malformed;
+    };
+    let payload_len = u16::from_be(payload_len) as usize;
+    // A jumbogram (payload length 0) or a truncated packet: not ours.
+    if vtc >> 4 != 6 || payload_len == 0 || l3 + ip6::HLEN + payload_len > ctx.packet_len() {
+        return Parsed::Malformed;
+    }
+    let end = l3 + ip6::HLEN + payload_len;
+    let mut proto = next;
+    let mut off = l3 + ip6::HLEN;
+    let mut i = 0;
+    while i < ip6::MAX_EXT {
+        match proto {
+            ip6::HOPOPTS | ip6::ROUTING | ip6::DSTOPTS => {
+                let Some([nh, len]) = load::<C, [u8; 2]>(ctx, off) else {
+                    return Parsed::Malformed;
+                };
+                proto = nh;
+                off += (len as usize + 1) * 8;
+                if off > ip6::MAX_L4 {
+                    return Parsed::Other;
+                }
+            }
+            ip6::FRAGMENT => return Parsed::Fragment,
+            _ => break,
+        }
+        i += 1;
+    }
+    match proto {
+        // Still an extension header, IPsec (rewriting would break it), or
+        // nothing at all: not ours.
+        ip6::HOPOPTS | ip6::ROUTING | ip6::DSTOPTS | ip6::FRAGMENT | ip6::ESP | ip6::AUTH | ip6::NONE => {
+            return Parsed::Other;
+        }
+        _ => {}
+    }
+    if off > end {
+        return Parsed::Malformed;
+    }
+    // The verifier needs the offset bounded (checked above).
+    let l4 = off & 0xff;
+    match l4_header(ctx, proto, proto::ICMPV6, l4, end - off) {
+        Some((sport, dport, tcp_flags)) => Parsed::V6(Pkt {
+            l3,
+            l4,
+            tuple: CtKey {
+                saddr,
+                daddr,
+                sport,
+                dport,
+                proto,
+                _pad: [0; 3],
+            },
+            tcp_flags,
+            tot_len: (ip6::HLEN + payload_len) as u16,
+        }),
+        None => Parsed::Malformed,
+    }
+}
+
+/// Ports and TCP flags of the L4 header at `l4` (`l4_len` bytes of L4
+/// header and payload), checked to be whole; zeros for ICMP and other
+/// protocols. `None`: truncated.
+#[inline(always)]
+fn l4_header<C: Ctx>(ctx: &C, proto: u8, icmp: u8, l4: usize, l4_len: usize) -> Option<(u16, u16, u8)> {
+    match proto {
+        proto::TCP => {
+            let (ports, doff, flags) = (
+                load::<C, [u16; 2]>(ctx, l4 + l4::SPORT)?,
+                load::<C, u8>(ctx, l4 + l4::TCP_DOFF)?,
+                load::<C, u8>(ctx, l4 + l4::TCP_FLAGS)?,
+            );
+            if l4_len < l4::TCP_HLEN
+                || ((doff >> 4) as usize) * 4 < l4::TCP_HLEN
+                || ptr_at::<C, [u8; l4::TCP_HLEN]>(ctx, l4).is_none()
+            {
+                return None;
+            }
+            Some((ports[0], ports[1], flags))
+        }
+        proto::UDP => {
+            let ports = load::<C, [u16; 2]>(ctx, l4 + l4::SPORT)?;
+            if l4_len < l4::UDP_HLEN || ptr_at::<C, [u8; l4::UDP_HLEN]>(ctx, l4).is_none() {
+                return None;
+            }
+            Some((ports[0], ports[1], 0))
+        }
+        proto::SCTP => {
+            let ports = load::<C, [u16; 2]>(ctx, l4 + l4::SPORT)?;
+            if l4_len < l4::SCTP_HLEN || ptr_at::<C, [u8; l4::SCTP_HLEN]>(ctx, l4).is_none() {
+                return None;
+            }
+            Some((ports[0], ports[1], 0))
+        }
+        p if p == icmp => {
+            if l4_len < l4::ICMP_HLEN || ptr_at::<C, [u8; l4::ICMP_HLEN]>(ctx, l4).is_none() {
+                return None;
+            }
+            Some((0, 0, 0))
+        }
+        _ => Some((0, 0, 0)),
+    }
+}

@@ -1,0 +1,386 @@
+//! The packet path, written once for XDP and TC (see `ctx`) and for IPv4
+//! and IPv6 (see `family`).
+//!
+//! [`ingress`] runs where packets enter the node (external devices in XDP
+//! or TC, pod-facing host interfaces in TC): destination rewrites (DNAT of
+//! new and established flows, un-SNAT of replies), rejects and drops.
+//! [`egress`] runs where packets leave it (TC egress on both): source
+//! rewrites (SNAT of forward packets, the frontend restored on replies).
+//! Both translate ICMP errors about translated flows.
+
+use dataplane_common::{
+    addr::Addr,
+    config::{DpConfig, config_flags},
+    ct::{ct_flags, snat_port_hash},
+    filter::{BACKENDS, FRONTENDS},
+    proto,
+    stats::{Event, FlowStat, Hook},
+};
+
+use crate::{
+    ct,
+    ctx::{Ctx, FromVerdict, Side},
+    family::{Family, V4, V6},
+    filter,
+    flow::{self, Action, Choice},
+    icmp,
+    maps::CONFIG,
+    parse::{Kind, Parsed, Pkt, kind},
+    snat, stats,
+};
+
+#[inline(always)]
+fn config() -> Option<&'static DpConfig> {
+    let cfg = CONFIG.get(0)?;
+    (cfg.flags & config_flags::CONFIGURED != 0).then_some(cfg)
+}
+
+/// What a side's path decided, packed into one register (a subprogram
+/// cannot return a struct: it would return a pointer into its own stack):
+/// the verdict, and either the event or what the entry point does next
+/// (with the family and the header offsets). Rejects, ICMP error
+/// translation and new flows run from the entry point, so that their stack
+/// frames do not add to the lookup path's.
+#[derive(Clone, Copy)]
+struct Step(u64);
+
+const REJECT: u64 = 1;
+const ICMP_ERROR: u64 = 2;
+const NEW_FLOW: u64 = 3;
+
+impl Step {
+    #[inline(always)]
+    fn done<V: Into<i64>>(verdict: V, event: Event) -> Self {
+        Self((verdict.into() as u32 as u64) << 32 | event as u64)
+    }
+    #[inline(always)]
+    fn next<A: Addr>(what: u64, pkt: &Pkt<A>, event: Event) -> Self {
+        let v6 = (A::FAMILY == 6) as u64;
+        Self(
+            v6 << 32 | what << 8 | (pkt.l3 as u64 & 0xff) << 16 | (pkt.l4 as u64 & 0xff) << 24 | event as u64,
+        )
+    }
+    #[inline(always)]
+    fn what(self) -> u64 {
+        (self.0 >> 8) & 0xff
+    }
+    #[inline(always)]
+    fn v6(self) -> bool {
+        (self.0 >> 32) & 1 != 0
+    }
+    #[inline(always)]
+    fn event(self) -> u32 {
+        self.0 as u32 & 0xff
+    }
+    #[inline(always)]
+    fn l3(self) -> usize {
+        ((self.0 >> 16) & 0xff) as usize
+    }
+    #[inline(always)]
+    fn l4(self) -> usize {
+        ((self.0 >> 24) & 0xff) as usize
+    }
+}
+
+/// Runs the rest of a step from the entry point, counts the outcome and
+/// returns the verdict.
+#[inline(always)]
+fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step) -> C::Verdict {
+    let len = ctx.packet_len() as u64;
+    // A new flow's decision is a subprogram of its own, called from here:
+    // its stack and the lookup path's do not add up.
+    let step = if step.what() == NEW_FLOW {
+        new_flow(ctx, cfg, step.v6(), step.l3())
+    } else {
+        step
+    };
+    // A reject and an ICMP error's translation read well beyond the
+    // headers parsed so far (the packet to quote, the quote).
+    if matches!(step.what(), REJECT | ICMP_ERROR) {
+        ctx.pull_headers();
+    }
+    let (verdict, event) = match step.what() {
+        REJECT => {
+            let (v, e) = icmp::reject(ctx, step.v6(), step.l3(), step.l4());
+            (
+                v,
+                if e == Event::DropRejectFailed {
+                    e as u32
+                } else {
+                    step.event()
+                },
+            )
+        }
+        ICMP_ERROR => {
+            let (v, e) = if step.v6() {
+                icmp::translate_error::<C, V6>(ctx, cfg, step.l3(), step.l4())
+            } else {
+                icmp::translate_error::<C, V4>(ctx, cfg, step.l3(), step.l4())
+            };
+            (v, e as u32)
+        }
+        _ => (C::Verdict::from_packed(step.0), step.event()),
+    };
+    stats::count_raw(hook, event, len);
+    verdict
+}
+
+/// What is common to both sides once a family is known: ICMP errors are
+/// handed to the entry point, protocols we do not translate pass.
+#[inline(always)]
+fn triage<C: Ctx, F: Family>(pkt: &Pkt<F::A>) -> Option<Step> {
+    match pkt.tuple.proto {
+        proto::TCP | proto::UDP | proto::SCTP => None,
+        p if p == F::ICMP => Some(Step::next(ICMP_ERROR, pkt, Event::Pass)),
+        _ => Some(Step::done(C::PASS, Event::Pass)),
+    }
+}
+
+/// The verdict of a frame that is not an IP packet we parse.
+#[inline(always)]
+fn unparsed<C: Ctx>(p: Parsed) -> Step {
+    match p {
+        Parsed::Fragment => Step::done(C::PASS, Event::Fragment),
+        Parsed::Malformed => Step::done(C::PASS, Event::Malformed),
+        _ => Step::done(C::PASS, Event::Pass),
+    }
+}
+
+/// Ingress: destination rewrites, rejects and drops. Returns the verdict.
+#[inline(always)]
+pub fn ingress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
+    match config() {
+        Some(cfg) => finish(ctx, cfg, hook, ingress_inner(ctx, cfg)),
+        None => unconfigured(ctx, hook),
+    }
+}
+
+/// Before the agent configured the datapath every packet passes, counted.
+#[inline(always)]
+fn unconfigured<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
+    stats::count(hook, Event::Pass, ctx.packet_len() as u64);
+    C::PASS
+}
+
+/// Dispatches on the family: each family's path is a subprogram of its
+/// own, so that their stacks do not add up (nor to the entry point's).
+#[inline(always)]
+fn ingress_inner<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
+    let step = ingress_parsed(ctx, cfg);
+    // Headers beyond the linear area (TC): pulled, and parsed again, only
+    // when the parse ran short.
+    if step.event() == Event::Malformed as u32 && ctx.pull_headers() {
+        return ingress_parsed(ctx, cfg);
+    }
+    step
+}
+
+#[inline(always)]
+fn ingress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
+    match kind(ctx) {
+        Kind::V4(l3) => ingress_family::<C, V4>(ctx, cfg, l3),
+        Kind::V6(l3) => ingress_family::<C, V6>(ctx, cfg, l3),
+        Kind::Other => Step::done(C::PASS, Event::Pass),
+        Kind::Malformed => Step::done(C::PASS, Event::Malformed),
+    }
+}
+
+#[inline(never)]
+fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+    let pkt = &match F::parse(ctx, l3) {
+        Ok(p) => p,
+        Err(other) => return unparsed::<C>(other),
+    };
+    if let Some(step) = triage::<C, F>(pkt) {
+        return step;
+    }
+    let t = &pkt.tuple;
+    // Not a frontend, not a SNAT address, not in a service CIDR: not ours.
+    if !filter::maybe(cfg, FRONTENDS, &t.daddr) && !F::in_service_cidr(cfg, &t.daddr) {
+        return Step::done(C::PASS, Event::Pass);
+    }
+    let now = ct::now();
+    if let Some(e) = ct::lookup::<F>(cfg, t, now) {
+        // SAFETY: a map value pointer, valid for this run. The fields the
+        // path needs are copied out; no reference outlives this block (touch
+        // writes through `e` below).
+        let (role, closed, daddr, dport, service_id) = unsafe {
+            let en = &*e;
+            (
+                en.role(),
+                en.tcp_closed(),
+                en.nat_daddr,
+                en.nat_dport,
+                en.service_id,
+            )
+        };
+        match role {
+            // A SYN on a closed connection's tuple opens a new one, as
+            // netfilter reopens a TIME_WAIT entry.
+            ct_flags::FWD_IN if pkt.is_syn() && closed => {
+                stats::count_flow(FlowStat::Reopened);
+            }
+            ct_flags::FWD_IN | ct_flags::REP_IN => {
+                if ctx.rewrite::<F>(pkt, Side::Dst, daddr, dport).is_none() {
+                    return Step::done(C::PASS, Event::Malformed);
+                }
+                ct::touch::<F>(t, e, now, pkt.tcp_flags);
+                if role == ct_flags::REP_IN {
+                    return Step::done(C::PASS, Event::Reply);
+                }
+                stats::count_service(service_id, pkt.tot_len as u64);
+                return Step::done(C::PASS, Event::Established);
+            }
+            // The tuple is a known flow's, the other way round: not a new
+            // flow of its own.
+            _ => return Step::done(C::PASS, Event::Pass),
+        }
+    }
+    Step::next(NEW_FLOW, pkt, Event::Pass)
+}
+
+/// The first packet of a flow (parsed again: cheaper than carrying the
+/// tuple through the stack of the lookup path).
+#[inline(always)]
+fn new_flow<C: Ctx>(ctx: &C, cfg: &DpConfig, v6: bool, l3: usize) -> Step {
+    if v6 {
+        new_flow_family::<C, V6>(ctx, cfg, l3)
+    } else {
+        new_flow_family::<C, V4>(ctx, cfg, l3)
+    }
+}
+
+#[inline(never)]
+fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+    let pkt = &match F::parse(ctx, l3) {
+        Ok(p) => p,
+        Err(other) => return unparsed::<C>(other),
+    };
+    let now = ct::now();
+    let mut choice = Choice::default();
+    // Three subprograms side by side (their stacks do not add up): the
+    // decision, the SNAT port's claim, the other entries.
+    let mut event = flow::decide::<F>(cfg, &pkt.tuple, now, &mut choice);
+    if event == Event::NewFlow && choice.snat {
+        event = snat::claim::<F>(cfg, &pkt.tuple, &mut choice, now);
+    }
+    if event == Event::NewFlow {
+        event = ct::create::<F>(cfg, &pkt.tuple, &choice, now);
+    }
+    match flow::action(event) {
+        // DNAT to the backend chosen.
+        Action::Forward => {
+            match ctx.rewrite::<F>(pkt, Side::Dst, choice.backend.address, choice.backend.port) {
+                Some(()) => {
+                    stats::count_service(choice.service_id, pkt.tot_len as u64);
+                    Step::done(C::PASS, event)
+                }
+                None => Step::done(C::PASS, Event::Malformed),
+            }
+        }
+        Action::Reject => Step::next(REJECT, pkt, event),
+        Action::Drop => Step::done(C::DROP, event),
+        Action::Pass => Step::done(C::PASS, event),
+    }
+}
+
+/// Egress: source rewrites. Returns the verdict.
+#[inline(always)]
+pub fn egress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
+    match config() {
+        Some(cfg) => finish(ctx, cfg, hook, egress_inner(ctx, cfg)),
+        None => unconfigured(ctx, hook),
+    }
+}
+
+#[inline(always)]
+fn egress_inner<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
+    let step = egress_parsed(ctx, cfg);
+    if step.event() == Event::Malformed as u32 && ctx.pull_headers() {
+        return egress_parsed(ctx, cfg);
+    }
+    step
+}
+
+#[inline(always)]
+fn egress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
+    match kind(ctx) {
+        Kind::V4(l3) => egress_family::<C, V4>(ctx, cfg, l3),
+        Kind::V6(l3) => egress_family::<C, V6>(ctx, cfg, l3),
+        Kind::Other => Step::done(C::PASS, Event::Pass),
+        Kind::Malformed => Step::done(C::PASS, Event::Malformed),
+    }
+}
+
+#[inline(never)]
+fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+    let pkt = &match F::parse(ctx, l3) {
+        Ok(p) => p,
+        Err(other) => return unparsed::<C>(other),
+    };
+    if let Some(step) = triage::<C, F>(pkt) {
+        return step;
+    }
+    let t = &pkt.tuple;
+    // Forward packets go to a backend, replies come from one.
+    let to_backend = filter::maybe(cfg, BACKENDS, &t.daddr);
+    let from_backend = filter::maybe(cfg, BACKENDS, &t.saddr);
+    if !to_backend && !from_backend {
+        return Step::done(C::PASS, Event::Pass);
+    }
+    let now = ct::now();
+    // A masqueraded flow with its hashed port: found through its REP_IN
+    // entry, from the packet alone. Forward: source → node : port (it
+    // counted for its service where it entered).
+    if to_backend && icmp::hashed_rep_in::<F>(cfg, t.daddr, t.dport, t.saddr, t.sport, t.proto, now).is_some()
+    {
+        let port = snat_port_hash(
+            t.saddr,
+            t.sport,
+            cfg.snat_hash_seed,
+            cfg.snat_port_min,
+            cfg.snat_port_max,
+        );
+        return match ctx.rewrite::<F>(pkt, Side::Src, F::snat_ip(cfg), port.to_be()) {
+            Some(()) => Step::done(C::PASS, Event::Established),
+            None => Step::done(C::PASS, Event::Malformed),
+        };
+    }
+    // Reply: source → frontend.
+    if from_backend
+        && let Some(e) = icmp::hashed_rep_in::<F>(cfg, t.saddr, t.sport, t.daddr, t.dport, t.proto, now)
+    {
+        // SAFETY: a map value pointer, valid for this run; fields copied.
+        let (saddr, sport) = unsafe { ((*e).nat_saddr, (*e).nat_sport) };
+        return match ctx.rewrite::<F>(pkt, Side::Src, saddr, sport) {
+            Some(()) => Step::done(C::PASS, Event::Reply),
+            None => Step::done(C::PASS, Event::Malformed),
+        };
+    }
+    // Explicit entries: REP_OUT (flows kept unmasqueraded, and masqueraded
+    // ones with another port) and FWD_OUT.
+    let Some(e) = ct::lookup::<F>(cfg, t, now) else {
+        return Step::done(C::PASS, Event::Pass);
+    };
+    // SAFETY: a map value pointer, valid for this run. The fields needed
+    // are copied out; no reference outlives this block (touch writes
+    // through `e` below).
+    let (role, flags, saddr, sport) = unsafe {
+        let en = &*e;
+        (en.role(), en.flags, en.nat_saddr, en.nat_sport)
+    };
+    if role != ct_flags::REP_OUT && role != ct_flags::FWD_OUT {
+        return Step::done(C::PASS, Event::Pass);
+    }
+    if ctx.rewrite::<F>(pkt, Side::Src, saddr, sport).is_none() {
+        return Step::done(C::PASS, Event::Malformed);
+    }
+    if role == ct_flags::FWD_OUT {
+        return Step::done(C::PASS, Event::Established);
+    }
+    // An unmasqueraded flow's REP_OUT is its owner: replies reach it first.
+    if flags & ct_flags::SNAT == 0 {
+        ct::touch::<F>(t, e, now, pkt.tcp_flags);
+    }
+    Step::done(C::PASS, Event::Reply)
+}

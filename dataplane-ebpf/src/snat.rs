@@ -1,0 +1,120 @@
+//! SNAT port choice for a masqueraded flow (client → backend becomes
+//! node : port → backend). The port is claimed by inserting the flow's
+//! `REP_IN` entry (backend → node : port) with `BPF_NOEXIST`.
+//!
+//! First choice: the port hashed from the client's address and port, which
+//! egress hooks recompute from the packet, so the flow needs no egress
+//! entries. When a live flow to the same backend holds that port, ports are
+//! tried from a per-CPU, per-backend cursor that advances through the range:
+//! consecutive flows to a backend get ports far apart in time, and a port
+//! is taken again only after the whole range has gone round. A port held by
+//! a closed or expired flow is taken over. Only when the whole range is held
+//! by live flows does a new flow find nothing within `SNAT_ATTEMPTS` tries.
+
+use aya_ebpf::helpers::bpf_get_prandom_u32;
+use dataplane_common::{
+    config::DpConfig,
+    ct::{CtKey, ct_flags, snat_port_hash},
+    limits,
+    stats::{Event, FlowStat},
+};
+
+use crate::{
+    ct::{self, Claim},
+    family::Family,
+    flow::Choice,
+    maps::{CtScratch, SNAT_CURSORS},
+    stats,
+};
+
+/// Claims a port for the masqueraded flow `t` to `choice`'s backend by
+/// inserting its `REP_IN` entry; fills `choice.snat_port` (network order)
+/// and `choice.explicit` (not the hashed port: the flow then needs explicit
+/// egress entries). A subprogram, called beside `ct::create`, not below it.
+#[inline(never)]
+pub fn claim<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &mut Choice<F::A>, now: u64) -> Event {
+    let Some(s) = ct::scratch::<F>() else {
+        return Event::DropSnatExhausted;
+    };
+    ct::entries(s, t, choice, now);
+    s.b.flags = ct_flags::REP_IN | ct_flags::SNAT;
+    match search::<F>(cfg, t, choice.backend_id, s, now) {
+        Ok((port, explicit)) => {
+            choice.snat_port = port;
+            choice.explicit = explicit;
+            Event::NewFlow
+        }
+        Err(event) => event,
+    }
+}
+
+/// Finds and claims the port; `s.b` holds the `REP_IN` entry to insert,
+/// `s.key` is the key under construction.
+#[inline(always)]
+fn search<F: Family>(
+    cfg: &DpConfig,
+    t: &CtKey<F::A>,
+    backend_id: u32,
+    s: &mut CtScratch<F::A>,
+    now: u64,
+) -> Result<(u16, bool), Event> {
+    let (min, max) = (cfg.snat_port_min, cfg.snat_port_max);
+    let snat_ip = F::snat_ip(cfg);
+    // No SNAT address in this family (an IPv6 flow on a node without one):
+    // the flow cannot be masqueraded.
+    if max < min || snat_ip == Default::default() {
+        return Err(Event::DropSnatExhausted);
+    }
+    let hashed = snat_port_hash(t.saddr, t.sport, cfg.snat_hash_seed, min, max);
+    s.key = CtKey {
+        saddr: s.a.nat_daddr,
+        daddr: snat_ip,
+        sport: s.a.nat_dport,
+        dport: hashed.to_be(),
+        proto: t.proto,
+        _pad: [0; 3],
+    };
+    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now);
+    if outcome.won() {
+        stats::count_flow(FlowStat::SnatHashed);
+        if outcome == Claim::TakenOver {
+            stats::count_flow(FlowStat::SnatTakeover);
+        }
+        return Ok((s.key.dport, false));
+    }
+    s.b.flags |= ct_flags::EXPLICIT;
+    let range = max as u32 - min as u32 + 1;
+    let Some(cursor) = SNAT_CURSORS.get_ptr_mut(backend_id) else {
+        return Err(Event::DropSnatExhausted);
+    };
+    // SAFETY: this CPU's slot of a per-CPU array, only written here.
+    let mut next = unsafe { *cursor };
+    if next == 0 {
+        // SAFETY: helper without arguments.
+        next = unsafe { bpf_get_prandom_u32() } | 1;
+    }
+    let mut i = 0;
+    while i < limits::SNAT_ATTEMPTS {
+        let port = (min as u32 + next % range) as u16;
+        next = next.wrapping_add(1);
+        i += 1;
+        if port == hashed {
+            continue;
+        }
+        s.key.dport = port.to_be();
+        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now);
+        if outcome.won() {
+            // SAFETY: as above.
+            unsafe { *cursor = next };
+            stats::count_flow(FlowStat::SnatFallback);
+            if outcome == Claim::TakenOver {
+                stats::count_flow(FlowStat::SnatTakeover);
+            }
+            return Ok((s.key.dport, true));
+        }
+        stats::count_flow(FlowStat::SnatPortsBusy);
+    }
+    // SAFETY: as above.
+    unsafe { *cursor = next };
+    Err(Event::DropSnatExhausted)
+}
