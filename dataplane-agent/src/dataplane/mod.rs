@@ -4,10 +4,17 @@
 //! network namespace of the calling thread, so a test (or an agent started
 //! with `ip netns exec`) attaches to the devices of its own namespace.
 //! [`LbMaps`] is the typed API to program services and backends; the
-//! Kubernetes control plane and the tests both go through it.
+//! Kubernetes control plane and the tests both go through it. It converts
+//! the service table's types ([`crate::state::table`]) to the kernel ABI.
 
+pub mod batch;
+mod config;
+pub mod device;
+pub mod family;
+mod filter;
 mod maps;
 pub mod pins;
+mod table;
 
 use std::path::Path;
 
@@ -15,18 +22,17 @@ use aya::{
     Ebpf, EbpfLoader,
     maps::{Array, HashMap, LpmTrie, MapError, PerCpuArray},
     programs::{
-        CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType, Xdp, XdpMode,
+        CgroupAttachMode, CgroupSockAddr, ProgramError, SchedClassifier, TcAttachType, Xdp,
         links::{FdLink, PinnedLink},
         tc::SchedClassifierLink,
         xdp::XdpLink,
     },
 };
+pub use config::{DatapathConfig, current_netns_cookie};
 use dataplane_common::{limits, names};
-pub use maps::{
-    Backend, BackendId, BackendSet, DatapathConfig, EmptyVerdict, Frontend, FrontendEntry, FrontendKind,
-    LbMaps, MapTable, ServicePortName, current_netns_cookie,
-};
-pub use pins::PinDir;
+pub use family::{AbiAddr, FamilyMaps};
+pub use maps::{LbMaps, RETIRE_GRACE};
+pub use pins::{PinDir, PinDirError, PinLock, Resize};
 
 /// The kernel object built by build.rs (`dataplane-ebpf`, release, with BTF).
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dataplane"));
@@ -64,8 +70,50 @@ pub enum DatapathError {
         #[source]
         source: MapError,
     },
-    #[error("{0}")]
-    Invalid(String),
+    #[error("map `{name}`: batched operation failed: {source}")]
+    Batch {
+        name: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Pins(#[from] PinDirError),
+    #[error("backend id {id} is beyond the backends map capacity {capacity} (raise --max-backends)")]
+    BackendIdOutOfRange { id: u32, capacity: u32 },
+    #[error("service id {id} is beyond the capacity of {capacity} service ports (raise --max-services)")]
+    ServiceIdOutOfRange { id: u32, capacity: u32 },
+    #[error("{frontend} has more than {max} backends")]
+    TooManyBackends { frontend: String, max: u16 },
+    #[error("at most {max} service CIDRs per family are supported, got {v4} IPv4 and {v6} IPv6")]
+    TooManyServiceCidrs { v4: usize, v6: usize, max: usize },
+    #[error("bad SNAT port range {0}-{1}")]
+    SnatPorts(u16, u16),
+    #[error("cannot open cgroup {path}: {source} (a cgroup v2 directory)")]
+    Cgroup {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("the {what} link on {device} is not a bpf_link{hint}: {source}")]
+    NotABpfLink {
+        what: &'static str,
+        device: String,
+        hint: &'static str,
+        #[source]
+        source: aya::programs::links::LinkError,
+    },
+    #[error("cannot pin link at {path}: {source}")]
+    PinLink {
+        path: std::path::PathBuf,
+        #[source]
+        source: aya::pin::PinError,
+    },
+    #[error("cannot replace pin {path}: {source}")]
+    ReplacePin {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Map sizes chosen at load time.
@@ -79,6 +127,9 @@ pub struct LoadOptions {
     pub max_service_entries: u32,
     pub ct_entries: u32,
     pub affinity_entries: u32,
+    /// Size the IPv6 maps as the IPv4 ones; `false` (an IPv4-only node)
+    /// gives them one entry each, so that they cost no memory.
+    pub ipv6: bool,
 }
 
 impl Default for LoadOptions {
@@ -89,6 +140,7 @@ impl Default for LoadOptions {
             max_service_entries: limits::MAX_SERVICE_ENTRIES,
             ct_entries: limits::CT_ENTRIES,
             affinity_entries: limits::AFFINITY_ENTRIES,
+            ipv6: true,
         }
     }
 }
@@ -98,6 +150,70 @@ pub struct Datapath {
     ebpf: Ebpf,
     maps: LbMaps,
     pins: Option<PinDir>,
+    /// Held while this copy owns the pin directory.
+    lock: Option<PinLock>,
+    /// Maps resized at load, whose old copies go once the new programs run.
+    resized: Vec<Resize>,
+}
+
+/// Where the north-south ingress path runs on external devices.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum XdpMode {
+    /// Native XDP on physical devices whose driver has it, TC elsewhere
+    /// (veth and other virtual devices: XDP there converts every skb back
+    /// into a frame, and cannot send a reject back unless the peer runs
+    /// XDP too).
+    #[default]
+    Auto,
+    /// Native XDP, or fail.
+    Native,
+    /// TC ingress only.
+    Off,
+}
+
+impl std::str::FromStr for XdpMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "native" => Ok(Self::Native),
+            "off" => Ok(Self::Off),
+            other => Err(format!("{other}: expected auto, native or off")),
+        }
+    }
+}
+
+/// What kind of device an external device is, as far as XDP cares.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DeviceKind {
+    /// Backed by a driver with hardware (PCI, ...): native XDP if it has it.
+    Physical,
+    /// veth: native XDP exists but costs a copy per skb, and XDP_TX reaches
+    /// the peer only if it runs XDP too.
+    Veth,
+    /// Bridges, bonds, tunnels, dummies...
+    Virtual,
+}
+
+/// The device's kind, from its driver and bus (ETHTOOL_GDRVINFO, in the
+/// calling thread's network namespace).
+pub fn device_kind(device: &str) -> DeviceKind {
+    match device::driver_info(device) {
+        Some(info) if info.driver == "veth" => DeviceKind::Veth,
+        Some(info) if !info.bus.is_empty() && info.bus != "N/A" => DeviceKind::Physical,
+        _ => DeviceKind::Virtual,
+    }
+}
+
+/// The outcome of [`Datapath::attach_external`].
+#[derive(Clone, Debug)]
+pub struct ExternalAttach {
+    pub how: Attached,
+    /// `xdp_ingress` or `tc_ingress`.
+    pub ingress: &'static str,
+    pub kind: DeviceKind,
+    /// Why native XDP was not used in `auto` mode on a physical device.
+    pub xdp_error: Option<String>,
 }
 
 /// What happened to one attachment.
@@ -124,10 +240,61 @@ impl Datapath {
     /// Loads with every map pinned under `dir` (bpffs): maps already pinned
     /// there are reused with their contents, so a restarted agent adopts the
     /// running datapath; links are pinned too when attached.
+    ///
+    /// The directory is locked for this process (a second agent is refused),
+    /// and pinned maps of another capacity than `opts` asks are resized
+    /// (refused if what they hold would not fit).
     pub fn open_pinned(opts: &LoadOptions, dir: &Path) -> Result<Self, DatapathError> {
         let pins = PinDir::create(dir)?;
+        let lock = pins.lock()?;
+        pins.recover_resize()?;
         pins.check_layouts()?;
-        Self::load_inner(opts, Some(pins))
+        let resized = pins.plan_resize(opts)?;
+        for r in &resized {
+            pins.set_aside(r.map)?;
+        }
+        let mut dp = match Self::load_inner(opts, Some(pins.clone())) {
+            Ok(dp) => dp,
+            Err(e) => {
+                // Put the old maps back: nothing changed.
+                let _ = pins.recover_resize();
+                return Err(e);
+            }
+        };
+        for r in &resized {
+            pins.fill_resized(r.map)?;
+        }
+        // The address filter from what the (adopted or resized) maps hold.
+        dp.maps.rebuild_filter()?;
+        dp.lock = Some(lock);
+        dp.resized = resized;
+        Ok(dp)
+    }
+
+    /// Maps resized when they were opened (pinned capacity → asked).
+    pub fn resized(&self) -> &[Resize] {
+        &self.resized
+    }
+
+    /// Once the programs are attached (nothing writes the old maps any
+    /// more): copies what the old programs added to the maps that were
+    /// resized since they were filled, and drops the old maps. Returns the
+    /// entries copied per map.
+    pub fn finish_resize(&mut self) -> Result<Vec<(&'static str, usize)>, DatapathError> {
+        let Some(pins) = &self.pins else {
+            return Ok(Vec::new());
+        };
+        let mut out = Vec::new();
+        for r in std::mem::take(&mut self.resized) {
+            out.push((r.map, pins.retire_resized(r.map)?));
+        }
+        Ok(out)
+    }
+
+    /// Whether this process still owns an intact pin directory (false once
+    /// `cleanup --force` removed it under the running agent).
+    pub fn pins_intact(&self) -> bool {
+        self.lock.as_ref().is_none_or(PinLock::intact)
     }
 
     fn load_inner(opts: &LoadOptions, pins: Option<PinDir>) -> Result<Self, DatapathError> {
@@ -135,6 +302,7 @@ impl Datapath {
             Some(p) => names::ALL_MAPS.iter().map(|n| (*n, p.map(n))).collect(),
             None => Vec::new(),
         };
+        let v6 = |n: u32| if opts.ipv6 { n } else { 1 };
         let mut loader = EbpfLoader::new();
         for (name, path) in &map_paths {
             loader.map_pin_path(name, path.as_path());
@@ -142,16 +310,31 @@ impl Datapath {
         let mut ebpf = loader
             .map_max_entries(names::SERVICE_STATS, opts.max_services)
             .map_max_entries(names::LB4_BACKENDS, opts.max_backends)
+            .map_max_entries(names::SNAT_CURSORS, opts.max_backends)
             .map_max_entries(names::LB4_SERVICES, opts.max_service_entries)
             .map_max_entries(names::CT4, opts.ct_entries)
             .map_max_entries(names::LB4_AFFINITY, opts.affinity_entries)
+            .map_max_entries(names::LB4_SERVICE_NAMES, opts.max_services)
+            .map_max_entries(names::LB6_BACKENDS, v6(opts.max_backends))
+            .map_max_entries(names::LB6_SERVICES, v6(opts.max_service_entries))
+            .map_max_entries(names::CT6, v6(opts.ct_entries))
+            .map_max_entries(names::LB6_AFFINITY, v6(opts.affinity_entries))
+            // An LPM trie is never preallocated (it costs what it holds), and
+            // cannot be copied in batches: one size for every node.
+            .map_max_entries(names::LB6_SOURCE_RANGES, limits::SOURCE_RANGE_ENTRIES)
+            .map_max_entries(names::SOCK6_REVNAT, v6(limits::SOCK_REVNAT_ENTRIES))
             .load(EBPF_OBJECT)?;
         for name in [names::XDP_INGRESS, names::XDP_FLOOR] {
             program::<Xdp>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
         }
-        for name in [names::TC_EGRESS, names::TC_POD_INGRESS, names::TC_FLOOR] {
+        for name in [
+            names::TC_INGRESS,
+            names::TC_EGRESS,
+            names::TC_POD_INGRESS,
+            names::TC_FLOOR,
+        ] {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
@@ -161,24 +344,46 @@ impl Datapath {
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
         }
+        fn family<A: family::AbiAddr>(
+            ebpf: &mut Ebpf,
+            opts: &LoadOptions,
+            size: impl Fn(u32) -> u32,
+        ) -> Result<family::FamilyMaps<A>, DatapathError> {
+            Ok(family::FamilyMaps {
+                services: take(ebpf, A::SERVICES, HashMap::try_from)?,
+                backends: take(ebpf, A::BACKENDS, Array::try_from)?,
+                affinity: take(ebpf, A::AFFINITY, HashMap::try_from)?,
+                source_ranges: take(ebpf, A::SOURCE_RANGES, LpmTrie::try_from)?,
+                ct: take(ebpf, A::CT, HashMap::try_from)?,
+                ct_capacity: size(opts.ct_entries),
+                affinity_capacity: size(opts.affinity_entries),
+                service_entries_capacity: size(opts.max_service_entries),
+                backends_capacity: size(opts.max_backends),
+            })
+        }
         let maps = LbMaps {
             config: take(&mut ebpf, names::CONFIG, Array::try_from)?,
-            services: take(&mut ebpf, names::LB4_SERVICES, HashMap::try_from)?,
-            backends: take(&mut ebpf, names::LB4_BACKENDS, Array::try_from)?,
-            affinity: take(&mut ebpf, names::LB4_AFFINITY, HashMap::try_from)?,
-            source_ranges: take(&mut ebpf, names::LB4_SOURCE_RANGES, LpmTrie::try_from)?,
-            ct: take(&mut ebpf, names::CT4, HashMap::try_from)?,
+            v4: family::<u32>(&mut ebpf, opts, |n| n)?,
+            v6: family::<dataplane_common::addr::Ip6>(&mut ebpf, opts, v6)?,
             counters: take(&mut ebpf, names::COUNTERS, PerCpuArray::try_from)?,
             service_stats: take(&mut ebpf, names::SERVICE_STATS, PerCpuArray::try_from)?,
             service_names: take(&mut ebpf, names::LB4_SERVICE_NAMES, HashMap::try_from)?,
             sock_revnat: take(&mut ebpf, names::SOCK4_REVNAT, HashMap::try_from)?,
+            sock_revnat6: take(&mut ebpf, names::SOCK6_REVNAT, HashMap::try_from)?,
+            addr_filter: take(&mut ebpf, names::ADDR_FILTER, Array::try_from)?,
+            flow_stats: take(&mut ebpf, names::FLOW_STATS, PerCpuArray::try_from)?,
+            filter: Default::default(),
+            retired: Vec::new(),
             max_services: opts.max_services,
             max_backends: opts.max_backends,
-            ct_capacity: opts.ct_entries,
-            service_entries_capacity: opts.max_service_entries,
-            affinity_capacity: opts.affinity_entries,
         };
-        Ok(Self { ebpf, maps, pins })
+        Ok(Self {
+            ebpf,
+            maps,
+            pins,
+            lock: None,
+            resized: Vec::new(),
+        })
     }
 
     pub fn pins(&self) -> Option<&PinDir> {
@@ -186,13 +391,58 @@ impl Datapath {
     }
 
     /// Attaches the north-south programs to an external device of the
-    /// calling thread's network namespace: XDP (native mode where the
-    /// driver has it) and TC egress. Unpinned, they detach when the
-    /// `Datapath` drops; pinned, they stay until the pins are removed.
-    pub fn attach_external(&mut self, device: &str) -> Result<Attached, DatapathError> {
-        let a = self.attach_xdp(names::XDP_INGRESS, device)?;
+    /// calling thread's network namespace: the ingress path in XDP or in
+    /// TC as `mode` and the device decide, and TC egress. Unpinned, they
+    /// detach when the `Datapath` drops; pinned, they stay until the pins
+    /// are removed. Switching between XDP and TC attaches the new program
+    /// before the old one goes (a packet seen by both is translated once:
+    /// the second finds it translated).
+    pub fn attach_external(&mut self, device: &str, mode: XdpMode) -> Result<ExternalAttach, DatapathError> {
+        let kind = device_kind(device);
+        let want_xdp = match mode {
+            XdpMode::Native => true,
+            XdpMode::Off => false,
+            XdpMode::Auto => kind == DeviceKind::Physical,
+        };
+        let mut xdp_error = None;
+        let ingress = if want_xdp {
+            match self.attach_xdp(names::XDP_INGRESS, device, aya::programs::XdpMode::Driver) {
+                Ok(a) => Some(a),
+                Err(e) if mode == XdpMode::Auto => {
+                    xdp_error = Some(e.to_string());
+                    None
+                }
+                Err(e) => return Err(e),
+            }
+        } else {
+            None
+        };
+        let (how, hook) = match ingress {
+            Some(a) => {
+                self.detach_pinned(names::TC_INGRESS, device);
+                (a, names::XDP_INGRESS)
+            }
+            None => {
+                let a = self.attach_tc(names::TC_INGRESS, TcAttachType::Ingress, device)?;
+                self.detach_pinned(names::XDP_INGRESS, device);
+                (a, names::TC_INGRESS)
+            }
+        };
         self.attach_tc(names::TC_EGRESS, TcAttachType::Egress, device)?;
-        Ok(a)
+        Ok(ExternalAttach {
+            how,
+            ingress: hook,
+            kind,
+            xdp_error,
+        })
+    }
+
+    /// Removes the pinned link of `program` on `device`, if any: the kernel
+    /// detaches it when the last reference goes.
+    fn detach_pinned(&mut self, program: &'static str, device: &str) {
+        if let Some(pins) = &self.pins {
+            let _ = std::fs::remove_file(pins.link(program, device));
+        }
     }
 
     /// Attaches to a pod-facing host interface: TC ingress (replies from
@@ -209,13 +459,12 @@ impl Datapath {
     /// Pinned, a new attachment replaces the old one without a gap (both run
     /// for an instant; the second sees an already translated address).
     pub fn attach_cgroup(&mut self, cgroup: &Path) -> Result<Attached, DatapathError> {
-        let dir = std::fs::File::open(cgroup).map_err(|e| {
-            DatapathError::Invalid(format!(
-                "cannot open cgroup {}: {e} (a cgroup v2 directory)",
-                cgroup.display()
-            ))
+        let dir = std::fs::File::open(cgroup).map_err(|source| DatapathError::Cgroup {
+            path: cgroup.to_owned(),
+            source,
         })?;
-        let tag = cgroup.display().to_string().replace('/', "_");
+        // bpffs refuses names with a dot (EPERM), e.g. `kubepods.slice`.
+        let tag = cgroup.display().to_string().replace(['/', '.'], "_");
         let mut how = Attached::New;
         for name in SOCK_PROGRAMS {
             let attach_err = |source| DatapathError::Attach {
@@ -231,22 +480,34 @@ impl Datapath {
                 .take_link(id)
                 .map_err(attach_err)?
                 .try_into()
-                .map_err(|e| DatapathError::Invalid(format!("cgroup link is not a bpf_link: {e}")))?;
+                .map_err(|source| DatapathError::NotABpfLink {
+                    what: "cgroup",
+                    device: cgroup.display().to_string(),
+                    hint: "",
+                    source,
+                })?;
             let path = pins.link(name, &tag);
-            let fresh = path.with_extension("new");
+            // bpffs refuses names with a dot (EPERM): no `.new` extension.
+            let mut fresh = path.clone().into_os_string();
+            fresh.push("-new");
+            let fresh = std::path::PathBuf::from(fresh);
             let _ = std::fs::remove_file(&fresh);
             pin_link(link, &fresh)?;
             if path.exists() {
                 how = Attached::Replaced;
             }
             // Atomically replaces the old pin: the old link goes with it.
-            std::fs::rename(&fresh, &path)
-                .map_err(|e| DatapathError::Invalid(format!("cannot replace pin {}: {e}", path.display())))?;
+            std::fs::rename(&fresh, &path).map_err(|source| DatapathError::ReplacePin { path, source })?;
         }
         Ok(how)
     }
 
-    fn attach_xdp(&mut self, name: &'static str, device: &str) -> Result<Attached, DatapathError> {
+    fn attach_xdp(
+        &mut self,
+        name: &'static str,
+        device: &str,
+        xdp_mode: aya::programs::XdpMode,
+    ) -> Result<Attached, DatapathError> {
         let attach_err = |source| DatapathError::Attach {
             name,
             device: device.to_owned(),
@@ -254,7 +515,7 @@ impl Datapath {
         };
         let prog = program::<Xdp>(&mut self.ebpf, name)?;
         let Some(pins) = &self.pins else {
-            prog.attach(device, XdpMode::default()).map_err(attach_err)?;
+            prog.attach(device, xdp_mode).map_err(attach_err)?;
             return Ok(Attached::New);
         };
         let path = pins.link(name, device);
@@ -266,10 +527,16 @@ impl Datapath {
             }
             let _ = std::fs::remove_file(&path);
         }
-        let id = prog.attach(device, XdpMode::default()).map_err(attach_err)?;
-        let link: FdLink =
-            prog.take_link(id).map_err(attach_err)?.try_into().map_err(|e| {
-                DatapathError::Invalid(format!("XDP link on {device} is not a bpf_link: {e}"))
+        let id = prog.attach(device, xdp_mode).map_err(attach_err)?;
+        let link: FdLink = prog
+            .take_link(id)
+            .map_err(attach_err)?
+            .try_into()
+            .map_err(|source| DatapathError::NotABpfLink {
+                what: "XDP",
+                device: device.to_owned(),
+                hint: "",
+                source,
             })?;
         pin_link(link, &path)?;
         Ok(Attached::New)
@@ -300,11 +567,16 @@ impl Datapath {
             let _ = std::fs::remove_file(&path);
         }
         let id = prog.attach(device, kind).map_err(attach_err)?;
-        let link: FdLink = prog.take_link(id).map_err(attach_err)?.try_into().map_err(|e| {
-            DatapathError::Invalid(format!(
-                "TC link on {device} is not a bpf_link (TCX needs Linux 6.6): {e}"
-            ))
-        })?;
+        let link: FdLink = prog
+            .take_link(id)
+            .map_err(attach_err)?
+            .try_into()
+            .map_err(|source| DatapathError::NotABpfLink {
+                what: "TC",
+                device: device.to_owned(),
+                hint: " (TCX needs Linux 6.6)",
+                source,
+            })?;
         pin_link(link, &path)?;
         Ok(Attached::New)
     }
@@ -356,102 +628,180 @@ where
 }
 
 /// The connect-time programs.
-const SOCK_PROGRAMS: [&str; 4] = [
+pub(crate) const SOCK_PROGRAMS: [&str; 8] = [
     names::SOCK_CONNECT4,
     names::SOCK_SENDMSG4,
     names::SOCK_RECVMSG4,
     names::SOCK_GETPEERNAME4,
+    names::SOCK_CONNECT6,
+    names::SOCK_SENDMSG6,
+    names::SOCK_RECVMSG6,
+    names::SOCK_GETPEERNAME6,
 ];
 
 impl LbMaps {
     /// Opens a running (or stopped) agent's pinned maps, without loading
     /// any program: what `inspect` reads. Nothing is written through it.
-    pub fn open_pins(dir: &Path) -> Result<Self, DatapathError> {
+    /// A map that is not pinned, or pinned with another layout (an agent of
+    /// another version), is replaced by an empty private one and named in
+    /// the returned notes: whatever can be read is.
+    pub fn open_pins(dir: &Path) -> Result<(Self, Vec<String>), DatapathError> {
         use aya::maps::{Map, MapData};
-        let pins = PinDir::create(dir)?;
-        if !pins.map(names::LB4_SERVICES).exists() {
-            return Err(DatapathError::Invalid(format!(
-                "no pinned maps under {}: is the agent's --bpffs-dir another one?",
-                dir.display()
-            )));
+        let pins = PinDir::open(dir)?;
+        if !pins.map(names::LB4_SERVICES).exists() && !pins.map(names::LB4_BACKENDS).exists() {
+            return Err(PinDirError::NoPins(dir.to_owned()).into());
         }
-        pins.check_layouts()?;
-        let open = |name: &'static str, wrap: fn(MapData) -> Map| -> Result<(Map, u32), DatapathError> {
-            let data =
-                MapData::from_pin(pins.map(name)).map_err(|source| DatapathError::Map { name, source })?;
-            let max = data
-                .info()
-                .map_err(|source| DatapathError::Map { name, source })?
-                .max_entries();
-            Ok((wrap(data), max))
+        let mut notes = Vec::new();
+        // The pinned map and its capacity, if it is there with the right layout.
+        let mut find = |name: &'static str| -> Result<Option<(MapData, u32)>, DatapathError> {
+            match pins.check_layout(name) {
+                Ok(Some(max)) => {
+                    let data = MapData::from_pin(pins.map(name))
+                        .map_err(|source| DatapathError::Map { name, source })?;
+                    Ok(Some((data, max)))
+                }
+                Ok(None) => {
+                    notes.push(format!(
+                        "map {name} is not pinned under {}: shown empty",
+                        dir.display()
+                    ));
+                    Ok(None)
+                }
+                Err(e) => {
+                    notes.push(format!("{e}: shown empty"));
+                    Ok(None)
+                }
+            }
         };
-        fn typed<T>(
+        // The typed pinned map, or an empty private stand-in.
+        fn or_empty<T>(
             name: &'static str,
-            m: (Map, u32),
-            f: impl FnOnce(Map) -> Result<T, MapError>,
+            found: Option<(MapData, u32)>,
+            pinned: impl FnOnce(MapData) -> Result<T, MapError>,
+            empty: impl FnOnce() -> Result<T, MapError>,
         ) -> Result<(T, u32), DatapathError> {
-            let (map, max) = m;
-            Ok((f(map).map_err(|source| DatapathError::Map { name, source })?, max))
+            let map_err = |source| DatapathError::Map { name, source };
+            match found {
+                Some((data, max)) => Ok((pinned(data).map_err(map_err)?, max)),
+                None => Ok((empty().map_err(map_err)?, 0)),
+            }
         }
-        let (config, _) = typed(names::CONFIG, open(names::CONFIG, Map::Array)?, Array::try_from)?;
-        let (services, service_entries_capacity) = typed(
-            names::LB4_SERVICES,
-            open(names::LB4_SERVICES, Map::HashMap)?,
-            HashMap::try_from,
+        const NO_PREALLOC: u32 = 1;
+        let (config, _) = or_empty(
+            names::CONFIG,
+            find(names::CONFIG)?,
+            |d| Array::try_from(Map::Array(d)),
+            || Array::create(1, 0),
         )?;
-        let (backends, max_backends) = typed(
-            names::LB4_BACKENDS,
-            open(names::LB4_BACKENDS, Map::Array)?,
-            Array::try_from,
-        )?;
-        let (affinity, affinity_capacity) = typed(
-            names::LB4_AFFINITY,
-            open(names::LB4_AFFINITY, Map::LruHashMap)?,
-            HashMap::try_from,
-        )?;
-        let (source_ranges, _) = typed(
-            names::LB4_SOURCE_RANGES,
-            open(names::LB4_SOURCE_RANGES, Map::LpmTrie)?,
-            LpmTrie::try_from,
-        )?;
-        let (ct, ct_capacity) = typed(names::CT4, open(names::CT4, Map::LruHashMap)?, HashMap::try_from)?;
-        let (counters, _) = typed(
+        fn family<A: family::AbiAddr>(
+            find: &mut impl FnMut(&'static str) -> Result<Option<(MapData, u32)>, DatapathError>,
+        ) -> Result<family::FamilyMaps<A>, DatapathError> {
+            let (services, service_entries_capacity) = or_empty(
+                A::SERVICES,
+                find(A::SERVICES)?,
+                |d| HashMap::try_from(Map::HashMap(d)),
+                || HashMap::create(1, NO_PREALLOC),
+            )?;
+            let (backends, backends_capacity) = or_empty(
+                A::BACKENDS,
+                find(A::BACKENDS)?,
+                |d| Array::try_from(Map::Array(d)),
+                || Array::create(1, 0),
+            )?;
+            let (affinity, affinity_capacity) = or_empty(
+                A::AFFINITY,
+                find(A::AFFINITY)?,
+                |d| HashMap::try_from(Map::LruHashMap(d)),
+                || HashMap::create(1, NO_PREALLOC),
+            )?;
+            let (source_ranges, _) = or_empty(
+                A::SOURCE_RANGES,
+                find(A::SOURCE_RANGES)?,
+                |d| LpmTrie::try_from(Map::LpmTrie(d)),
+                || LpmTrie::create(1, NO_PREALLOC),
+            )?;
+            let (ct, ct_capacity) = or_empty(
+                A::CT,
+                find(A::CT)?,
+                |d| HashMap::try_from(Map::LruHashMap(d)),
+                || HashMap::create(1, NO_PREALLOC),
+            )?;
+            Ok(family::FamilyMaps {
+                services,
+                backends,
+                affinity,
+                source_ranges,
+                ct,
+                ct_capacity,
+                affinity_capacity,
+                service_entries_capacity,
+                backends_capacity,
+            })
+        }
+        let v4 = family::<u32>(&mut find)?;
+        let v6 = family::<dataplane_common::addr::Ip6>(&mut find)?;
+        let max_backends = v4.backends_capacity;
+        let (counters, _) = or_empty(
             names::COUNTERS,
-            open(names::COUNTERS, Map::PerCpuArray)?,
-            PerCpuArray::try_from,
+            find(names::COUNTERS)?,
+            |d| PerCpuArray::try_from(Map::PerCpuArray(d)),
+            || PerCpuArray::create(dataplane_common::stats::COUNTER_SLOTS, 0),
         )?;
-        let (service_stats, max_services) = typed(
+        let (service_stats, max_services) = or_empty(
             names::SERVICE_STATS,
-            open(names::SERVICE_STATS, Map::PerCpuArray)?,
-            PerCpuArray::try_from,
+            find(names::SERVICE_STATS)?,
+            |d| PerCpuArray::try_from(Map::PerCpuArray(d)),
+            || PerCpuArray::create(1, 0),
         )?;
-        let (service_names, _) = typed(
+        let (service_names, _) = or_empty(
             names::LB4_SERVICE_NAMES,
-            open(names::LB4_SERVICE_NAMES, Map::HashMap)?,
-            HashMap::try_from,
+            find(names::LB4_SERVICE_NAMES)?,
+            |d| HashMap::try_from(Map::HashMap(d)),
+            || HashMap::create(1, NO_PREALLOC),
         )?;
-        let (sock_revnat, _) = typed(
+        let (sock_revnat, _) = or_empty(
             names::SOCK4_REVNAT,
-            open(names::SOCK4_REVNAT, Map::LruHashMap)?,
-            HashMap::try_from,
+            find(names::SOCK4_REVNAT)?,
+            |d| HashMap::try_from(Map::LruHashMap(d)),
+            || HashMap::create(1, NO_PREALLOC),
         )?;
-        Ok(LbMaps {
-            config,
-            services,
-            backends,
-            affinity,
-            source_ranges,
-            ct,
-            counters,
-            service_stats,
-            service_names,
-            sock_revnat,
-            max_services,
-            max_backends,
-            ct_capacity,
-            service_entries_capacity,
-            affinity_capacity,
-        })
+        let (sock_revnat6, _) = or_empty(
+            names::SOCK6_REVNAT,
+            find(names::SOCK6_REVNAT)?,
+            |d| HashMap::try_from(Map::LruHashMap(d)),
+            || HashMap::create(1, NO_PREALLOC),
+        )?;
+        let (addr_filter, _) = or_empty(
+            names::ADDR_FILTER,
+            find(names::ADDR_FILTER)?,
+            |d| Array::try_from(Map::Array(d)),
+            || Array::create(dataplane_common::filter::FILTER_WORDS * 2, 0),
+        )?;
+        let (flow_stats, _) = or_empty(
+            names::FLOW_STATS,
+            find(names::FLOW_STATS)?,
+            |d| PerCpuArray::try_from(Map::PerCpuArray(d)),
+            || PerCpuArray::create(64, 0),
+        )?;
+        Ok((
+            LbMaps {
+                config,
+                v4,
+                v6,
+                counters,
+                service_stats,
+                service_names,
+                sock_revnat,
+                sock_revnat6,
+                addr_filter,
+                flow_stats,
+                filter: Default::default(),
+                retired: Vec::new(),
+                max_services,
+                max_backends,
+            },
+            notes,
+        ))
     }
 }
 
@@ -462,9 +812,10 @@ fn pinned_link<L: TryFrom<FdLink>>(path: &Path) -> Option<L> {
 }
 
 fn pin_link(link: FdLink, path: &Path) -> Result<(), DatapathError> {
-    link.pin(path)
-        .map(drop)
-        .map_err(|e| DatapathError::Invalid(format!("cannot pin link at {}: {e}", path.display())))
+    link.pin(path).map(drop).map_err(|source| DatapathError::PinLink {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 fn take<T>(

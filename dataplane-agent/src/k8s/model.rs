@@ -2,15 +2,24 @@
 //! kube-proxy (pkg/proxy: servicechangetracker, endpointslicecache,
 //! topology). Everything here is pure.
 
-use std::{collections::BTreeMap, net::Ipv4Addr, time::Duration};
+use foldhash::{HashSet, HashSetExt as _};
+use std::{
+    collections::BTreeMap,
+    net::IpAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
-use k8s_openapi::api::{
-    core::v1::{Node, Service},
-    discovery::v1::EndpointSlice,
+use k8s_openapi::{
+    api::{
+        core::v1::{Node, Service},
+        discovery::v1::EndpointSlice,
+    },
+    apimachinery::pkg::apis::meta::v1::ObjectMeta,
 };
 
 use crate::{
-    net::{Ipv4Cidr, Protocol},
+    net::{IpCidr, IpFamily, Protocol},
     state::model::{Endpoint, ServicePort},
 };
 
@@ -23,6 +32,9 @@ pub const LABEL_SERVICE_NAME: &str = "kubernetes.io/service-name";
 pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
 pub const ANNOTATION_TOPOLOGY_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
+/// When the EndpointSlice controller saw the change behind a slice update
+/// (kube-proxy's network programming latency starts there).
+pub const ANNOTATION_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 /// Default ClientIP affinity timeout (3 hours), as the API server defaults it.
 pub const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10_800);
 
@@ -60,14 +72,6 @@ pub fn proxied(labels: Option<&BTreeMap<String, String>>) -> bool {
     labels.is_none_or(|l| !l.contains_key(LABEL_SERVICE_PROXY_NAME) && !l.contains_key(LABEL_HEADLESS))
 }
 
-fn object_name(ns: &Option<String>, name: &Option<String>) -> String {
-    format!(
-        "{}/{}",
-        ns.as_deref().unwrap_or("default"),
-        name.as_deref().unwrap_or("")
-    )
-}
-
 fn protocol(p: Option<&str>) -> Result<Protocol, String> {
     match p.unwrap_or("TCP") {
         "TCP" => Ok(Protocol::Tcp),
@@ -84,75 +88,162 @@ fn port_number(n: i32, what: &str) -> Result<u16, String> {
         .ok_or_else(|| format!("{what} {n} is out of range 1-65535"))
 }
 
-/// The IPv4 addresses among `ips` (IPv6 ones belong to the other family's
-/// table; unparsable ones are reported).
-fn ipv4s<'a>(
-    ips: impl IntoIterator<Item = &'a String>,
-    what: &str,
-    skipped: &mut Vec<String>,
-) -> Vec<Ipv4Addr> {
+/// The addresses among `ips`, of both families (each Service port of a
+/// family takes its own); unparsable ones are reported.
+fn ips<'a>(ips: impl IntoIterator<Item = &'a String>, what: &str, skipped: &mut Vec<String>) -> Vec<IpAddr> {
     let mut out = Vec::new();
     for ip in ips {
-        match ip.parse::<std::net::IpAddr>() {
-            Ok(std::net::IpAddr::V4(v4)) => out.push(v4),
-            Ok(std::net::IpAddr::V6(_)) => {}
+        match ip.parse::<IpAddr>() {
+            Ok(a) => out.push(a),
             Err(_) => skipped.push(format!("{what} {ip:?} is not an IP address")),
         }
     }
     out
 }
 
-/// The Service ports of `svc` for this node, with their endpoints from
-/// `slices` (the Service's EndpointSlices). Problems with parts of the
-/// object are returned alongside; the rest is still used.
-pub fn service_ports(
-    svc: &Service,
-    slices: &[&EndpointSlice],
-    node: &NodeInfo,
-) -> (Vec<ServicePort>, Vec<Skipped>) {
-    let object = object_name(&svc.metadata.namespace, &svc.metadata.name);
-    let mut reasons = Vec::new();
-    let ports = service_ports_inner(svc, slices, node, &mut reasons);
-    let skipped = reasons
-        .into_iter()
-        .map(|reason| Skipped {
-            object: object.clone(),
-            reason,
-        })
-        .collect();
-    (ports, skipped)
+/// The addresses of `family` among `ips`.
+fn of_family(ips: &[IpAddr], family: IpFamily) -> Vec<IpAddr> {
+    ips.iter()
+        .copied()
+        .filter(|ip| IpFamily::of(ip) == family)
+        .collect()
 }
 
-fn service_ports_inner(
-    svc: &Service,
-    slices: &[&EndpointSlice],
-    node: &NodeInfo,
-    skipped: &mut Vec<String>,
-) -> Vec<ServicePort> {
-    let Some(spec) = &svc.spec else {
-        return Vec::new();
-    };
+/// `namespace/name` of an object. Shared strings: the store keeps every key
+/// in two or three places, and namespaces are interned.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ObjectKey {
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
+}
+
+impl ObjectKey {
+    pub fn new(namespace: &str, name: &str) -> Self {
+        Self {
+            namespace: intern(namespace),
+            name: Arc::from(name),
+        }
+    }
+
+    /// The key of an object's metadata (namespace `default` when unset).
+    pub fn of(meta: &ObjectMeta) -> Self {
+        Self::new(
+            meta.namespace.as_deref().unwrap_or("default"),
+            meta.name.as_deref().unwrap_or_default(),
+        )
+    }
+
+    /// The object named `name` in the same namespace.
+    pub fn sibling(&self, name: &str) -> Self {
+        Self {
+            namespace: self.namespace.clone(),
+            name: Arc::from(name),
+        }
+    }
+}
+
+impl std::fmt::Display for ObjectKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// A Service as the agent keeps it: only what the table needs, parsed once
+/// when the object arrives (a full object costs kilobytes; at 100k Services
+/// that matters).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceInfo {
+    pub key: ObjectKey,
+    pub uid: Option<String>,
+    /// `metadata.creationTimestamp` (seconds): of two Services claiming one
+    /// frontend, the one created first keeps it.
+    pub created: Option<i64>,
+    /// `None`: nothing to proxy (ExternalName, headless, no clusterIP yet,
+    /// owned by another proxy).
+    pub spec: Option<ServiceSpecInfo>,
+    /// Parts that could not be used, and why.
+    pub problems: Vec<String>,
+}
+
+/// Addresses and ranges of both families: the Service ports of a family
+/// take that family's (see [`ports_of`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServiceSpecInfo {
+    /// `spec.clusterIPs` (or `clusterIP`): one per family the Service has
+    /// (`ipFamilies`, as the API server allocated them).
+    pub cluster_ips: Vec<IpAddr>,
+    pub external_ips: Vec<IpAddr>,
+    /// LoadBalancer ingress IPs with ipMode VIP or unset.
+    pub load_balancer_ips: Vec<IpAddr>,
+    pub load_balancer_source_ranges: Vec<IpCidr>,
+    pub external_policy_local: bool,
+    pub internal_policy_local: bool,
+    pub affinity_timeout: Option<Duration>,
+    pub topology: Topology,
+    /// The healthCheckNodePort of an eTP=Local Service.
+    pub health_check_node_port: Option<u16>,
+    pub ports: Vec<PortSpec>,
+}
+
+/// One valid port of a Service spec.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PortSpec {
+    pub name: String,
+    pub proto: Protocol,
+    pub port: u16,
+    /// Only for NodePort and LoadBalancer Services.
+    pub node_port: Option<u16>,
+}
+
+/// Whether and how topology hints are used (kube-proxy's topology filter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Topology {
+    /// Hints are ignored.
+    Off,
+    /// Zone hints (trafficDistribution PreferClose / PreferSameZone, or the
+    /// topology-mode annotation).
+    Zone,
+    /// PreferSameNode: node hints, else zone hints.
+    Node,
+}
+
+impl ServiceInfo {
+    pub fn parse(svc: &Service) -> Self {
+        let mut problems = Vec::new();
+        let spec = parse_spec(svc, &mut problems);
+        Self {
+            key: ObjectKey::of(&svc.metadata),
+            uid: svc.metadata.uid.clone(),
+            created: svc.metadata.creation_timestamp.as_ref().map(|t| t.0.as_second()),
+            spec,
+            problems,
+        }
+    }
+}
+
+fn parse_spec(svc: &Service, skipped: &mut Vec<String>) -> Option<ServiceSpecInfo> {
+    let spec = svc.spec.as_ref()?;
     if !proxied(svc.metadata.labels.as_ref()) || spec.type_.as_deref() == Some("ExternalName") {
-        return Vec::new();
+        return None;
     }
     // Headless (None) or not yet allocated: nothing to proxy.
     let cluster_ip = spec.cluster_ip.as_deref().unwrap_or("");
     if cluster_ip.is_empty() || cluster_ip == "None" {
-        return Vec::new();
+        return None;
     }
     let cluster_ip_list: Vec<String> = match &spec.cluster_ips {
         Some(ips) if !ips.is_empty() => ips.clone(),
         _ => vec![cluster_ip.to_owned()],
     };
-    let cluster_ips = ipv4s(&cluster_ip_list, "clusterIP", skipped);
-    let external_ips = ipv4s(spec.external_ips.iter().flatten(), "externalIP", skipped);
+    let cluster_ips = ips(&cluster_ip_list, "clusterIP", skipped);
+    let external_ips = ips(spec.external_ips.iter().flatten(), "externalIP", skipped);
     let lb_ingress = svc
         .status
         .as_ref()
         .and_then(|s| s.load_balancer.as_ref())
         .and_then(|lb| lb.ingress.as_ref());
     // ipMode Proxy: the load balancer proxies, the node gets no rules.
-    let lb_ips = ipv4s(
+    let load_balancer_ips = ips(
         lb_ingress
             .into_iter()
             .flatten()
@@ -161,14 +252,10 @@ fn service_ports_inner(
         "load balancer ingress IP",
         skipped,
     );
-    let mut source_ranges = Vec::new();
+    let mut load_balancer_source_ranges = Vec::new();
     for r in spec.load_balancer_source_ranges.iter().flatten() {
-        let r = r.trim();
-        if r.contains(':') {
-            continue; // IPv6: the other family's table
-        }
-        match r.parse::<Ipv4Cidr>() {
-            Ok(c) => source_ranges.push(c),
+        match r.trim().parse::<IpCidr>() {
+            Ok(c) => load_balancer_source_ranges.push(c),
             Err(e) => skipped.push(format!("loadBalancerSourceRanges: {e}")),
         }
     }
@@ -180,23 +267,22 @@ fn service_ports_inner(
             .and_then(|s| u64::try_from(s).ok())
             .map_or(DEFAULT_AFFINITY_TIMEOUT, Duration::from_secs)
     });
+    let external_policy_local = spec.external_traffic_policy.as_deref() == Some("Local");
     let is_node_port_type = matches!(spec.type_.as_deref(), Some("NodePort") | Some("LoadBalancer"));
-    let endpoints = collect_endpoints(svc, slices, node);
-
-    let mut out = Vec::new();
+    let mut ports = Vec::new();
     for port in spec.ports.iter().flatten() {
-        let port_name = port.name.clone().unwrap_or_default();
+        let name = port.name.clone().unwrap_or_default();
         let proto = match protocol(port.protocol.as_deref()) {
             Ok(p) => p,
             Err(e) => {
-                skipped.push(format!("port {port_name:?}: {e}"));
+                skipped.push(format!("port {name:?}: {e}"));
                 continue;
             }
         };
         let number = match port_number(port.port, "port") {
             Ok(n) => n,
             Err(e) => {
-                skipped.push(format!("port {port_name:?}: {e}"));
+                skipped.push(format!("port {name:?}: {e}"));
                 continue;
             }
         };
@@ -204,114 +290,420 @@ fn service_ports_inner(
             Some(n) => match port_number(n, "nodePort") {
                 Ok(n) => Some(n),
                 Err(e) => {
-                    skipped.push(format!("port {port_name:?}: {e}"));
+                    skipped.push(format!("port {name:?}: {e}"));
                     None
                 }
             },
             None => None,
         };
-        let eps = endpoints
-            .get(&(port_name.clone(), proto))
-            .cloned()
-            .unwrap_or_default();
-        out.push(ServicePort {
-            namespace: svc.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
-            name: svc.metadata.name.clone().unwrap_or_default(),
-            port_name,
+        ports.push(PortSpec {
+            name,
             proto,
             port: number,
-            cluster_ips: cluster_ips.clone(),
             node_port,
-            external_ips: external_ips.clone(),
-            load_balancer_ips: lb_ips.clone(),
-            load_balancer_source_ranges: source_ranges.clone(),
-            external_policy_local: spec.external_traffic_policy.as_deref() == Some("Local"),
-            internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
-            affinity_timeout,
-            endpoints: eps,
         });
+    }
+    Some(ServiceSpecInfo {
+        cluster_ips,
+        external_ips,
+        load_balancer_ips,
+        load_balancer_source_ranges,
+        external_policy_local,
+        internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+        affinity_timeout,
+        topology: topology(svc),
+        health_check_node_port: spec
+            .health_check_node_port
+            .and_then(|p| u16::try_from(p).ok())
+            .filter(|p| *p != 0 && external_policy_local),
+        ports,
+    })
+}
+
+/// Whether the Service asks for topology-aware routing: trafficDistribution,
+/// or the topology-mode annotation.
+fn topology(svc: &Service) -> Topology {
+    let distribution = svc.spec.as_ref().and_then(|s| s.traffic_distribution.as_deref());
+    let annotated = svc.metadata.annotations.as_ref().is_some_and(|a| {
+        a.get(ANNOTATION_TOPOLOGY_MODE)
+            .or_else(|| a.get(ANNOTATION_TOPOLOGY_HINTS))
+            .is_some_and(|v| !v.is_empty() && !v.eq_ignore_ascii_case("disabled"))
+    });
+    match distribution {
+        Some("PreferSameNode") => Topology::Node,
+        Some("PreferClose") | Some("PreferSameZone") => Topology::Zone,
+        _ if annotated => Topology::Zone,
+        _ => Topology::Off,
+    }
+}
+
+/// An EndpointSlice as the agent keeps it, parsed once when it arrives.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceInfo {
+    pub key: ObjectKey,
+    /// `kubernetes.io/service-name`: the Service (same namespace) it feeds.
+    pub service: Option<Arc<str>>,
+    /// addressType IPv4 or IPv6 (`None`: FQDN, which kube-proxy ignores).
+    pub family: Option<IpFamily>,
+    /// Valid ports (named or not); a port without a number is ignored.
+    pub ports: Vec<SlicePort>,
+    pub endpoints: Vec<SliceEndpoint>,
+    /// `endpoints.kubernetes.io/last-change-trigger-time`.
+    pub trigger_time: Option<String>,
+    /// Parts that could not be used, and why.
+    pub problems: Vec<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlicePort {
+    pub name: String,
+    pub proto: Protocol,
+    pub port: u16,
+}
+
+/// One endpoint: its first address (the only one used) and conditions.
+/// 28 bytes: a million of them are kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SliceEndpoint {
+    pub addr: IpAddr,
+    pub ready: bool,
+    pub serving: bool,
+    pub terminating: bool,
+    pub node: Option<NodeId>,
+    pub hints: Option<HintsId>,
+}
+
+/// A node name, interned: a million endpoints share a few hundred.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct NodeId(std::num::NonZeroU32);
+
+/// A set of topology hints, interned (endpoints of a zone share one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HintsId(std::num::NonZeroU32);
+
+/// Values interned for the agent's life, by index (1-based). What is
+/// interned is bounded by the cluster (node names, zone and node hint sets).
+struct Interner<T: Eq + std::hash::Hash> {
+    values: Vec<Arc<T>>,
+    index: foldhash::HashMap<Arc<T>, std::num::NonZeroU32>,
+}
+
+impl<T: Eq + std::hash::Hash> Interner<T> {
+    fn id(&mut self, v: T) -> std::num::NonZeroU32 {
+        if let Some(id) = self.index.get(&v) {
+            return *id;
+        }
+        let v = Arc::new(v);
+        self.values.push(v.clone());
+        let id = std::num::NonZeroU32::new(self.values.len() as u32).expect("1-based");
+        self.index.insert(v, id);
+        id
+    }
+
+    fn get(&self, id: std::num::NonZeroU32) -> Arc<T> {
+        self.values[id.get() as usize - 1].clone()
+    }
+}
+
+fn interned<T: Eq + std::hash::Hash, R>(
+    table: &'static Mutex<Option<Interner<T>>>,
+    f: impl FnOnce(&mut Interner<T>) -> R,
+) -> R {
+    let mut guard = table.lock().unwrap_or_else(|e| e.into_inner());
+    let interner = guard.get_or_insert_with(|| Interner {
+        values: Vec::new(),
+        index: foldhash::HashMap::default(),
+    });
+    f(interner)
+}
+
+static NODE_NAMES: Mutex<Option<Interner<String>>> = Mutex::new(None);
+static HINT_SETS: Mutex<Option<Interner<Hints>>> = Mutex::new(None);
+
+impl NodeId {
+    pub fn of(name: &str) -> Self {
+        Self(interned(&NODE_NAMES, |i| i.id(name.to_owned())))
+    }
+
+    /// The id of `name` if any endpoint names it (nothing is interned).
+    pub fn lookup(name: &str) -> Option<Self> {
+        // The index is keyed by `Arc<String>`, which borrows as `String`
+        // only (clippy's suggestion to pass `name` does not compile).
+        #[allow(clippy::unnecessary_to_owned)]
+        interned(&NODE_NAMES, |i| i.index.get(&name.to_owned()).copied().map(Self))
+    }
+
+    pub fn name(self) -> Arc<String> {
+        interned(&NODE_NAMES, |i| i.get(self.0))
+    }
+}
+
+impl HintsId {
+    pub fn of(hints: Hints) -> Self {
+        Self(interned(&HINT_SETS, |i| i.id(hints)))
+    }
+
+    pub fn get(self) -> Arc<Hints> {
+        interned(&HINT_SETS, |i| i.get(self.0))
+    }
+}
+
+/// Topology hints of an endpoint (empty lists when absent).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Hints {
+    pub zones: Vec<String>,
+    pub nodes: Vec<String>,
+}
+
+/// Namespaces, interned: one allocation for all the objects of one.
+fn intern(name: &str) -> Arc<str> {
+    static NAMES: Mutex<Option<HashSet<Arc<str>>>> = Mutex::new(None);
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    let set = names.get_or_insert_with(HashSet::new);
+    if let Some(n) = set.get(name) {
+        return n.clone();
+    }
+    let n: Arc<str> = Arc::from(name);
+    set.insert(n.clone());
+    n
+}
+
+impl SliceInfo {
+    pub fn parse(slice: &EndpointSlice) -> Self {
+        let meta = &slice.metadata;
+        let mut problems = Vec::new();
+        let family = IpFamily::from_address_type(&slice.address_type);
+        let mut ports = Vec::new();
+        let mut endpoints = Vec::new();
+        // FQDN slices (and unknown address types) are not proxied: nothing
+        // of them is used or reported.
+        if let Some(family) = family {
+            for e in &slice.endpoints {
+                // Only the first address of an endpoint is used; one that is
+                // not an address of the slice's family is reported once and
+                // skipped.
+                let Some(first) = e.addresses.first() else {
+                    continue;
+                };
+                let addr = match first.parse::<IpAddr>() {
+                    Ok(a) if IpFamily::of(&a) == family => a,
+                    Ok(a) => {
+                        problems.push(format!(
+                            "endpoint address {first:?} is an {} address in an {family} slice; endpoint skipped",
+                            IpFamily::of(&a)
+                        ));
+                        continue;
+                    }
+                    Err(_) => {
+                        problems.push(format!(
+                            "endpoint address {first:?} is not an {family} address; endpoint skipped"
+                        ));
+                        continue;
+                    }
+                };
+                let c = e.conditions.as_ref();
+                let ready = c.and_then(|c| c.ready).unwrap_or(true);
+                let hints = e.hints.as_ref().map(|h| Hints {
+                    zones: h.for_zones.iter().flatten().map(|z| z.name.clone()).collect(),
+                    nodes: h.for_nodes.iter().flatten().map(|n| n.name.clone()).collect(),
+                });
+                endpoints.push(SliceEndpoint {
+                    addr,
+                    ready,
+                    serving: c.and_then(|c| c.serving).unwrap_or(ready),
+                    terminating: c.and_then(|c| c.terminating).unwrap_or(false),
+                    node: e.node_name.as_deref().map(NodeId::of),
+                    hints: hints
+                        .filter(|h| !h.zones.is_empty() || !h.nodes.is_empty())
+                        .map(HintsId::of),
+                });
+            }
+            for sp in slice.ports.iter().flatten() {
+                let name = sp.name.clone().unwrap_or_default();
+                // A port without a number is ignored (kube-proxy); no name
+                // matches the empty name.
+                let Some(number) = sp.port else {
+                    continue;
+                };
+                match (port_number(number, "port"), protocol(sp.protocol.as_deref())) {
+                    (Ok(port), Ok(proto)) => ports.push(SlicePort { name, proto, port }),
+                    (Err(e), _) | (_, Err(e)) => problems.push(format!("port {name:?}: {e}; skipped")),
+                }
+            }
+        }
+        Self {
+            key: ObjectKey::of(meta),
+            service: meta
+                .labels
+                .as_ref()
+                .and_then(|l| l.get(LABEL_SERVICE_NAME))
+                .map(|s| Arc::from(s.as_str())),
+            family,
+            ports,
+            endpoints,
+            trigger_time: meta
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(ANNOTATION_TRIGGER_TIME))
+                .cloned(),
+            problems,
+        }
+    }
+
+    /// The Service this slice feeds.
+    pub fn service_key(&self) -> Option<ObjectKey> {
+        self.service.as_ref().map(|s| ObjectKey {
+            namespace: self.key.namespace.clone(),
+            name: s.clone(),
+        })
+    }
+
+    /// Endpoints (counted once per slice, whatever its ports).
+    pub fn endpoint_count(&self) -> usize {
+        self.endpoints.len()
+    }
+}
+
+/// The Service ports of `svc` for this node, with their endpoints from
+/// `slices` (the Service's EndpointSlices). Problems with parts of the
+/// objects are returned alongside; the rest is still used.
+pub fn service_ports(
+    svc: &Service,
+    slices: &[&EndpointSlice],
+    node: &NodeInfo,
+) -> (Vec<ServicePort>, Vec<Skipped>) {
+    let info = ServiceInfo::parse(svc);
+    let slices: Vec<SliceInfo> = slices.iter().map(|s| SliceInfo::parse(s)).collect();
+    let refs: Vec<&SliceInfo> = slices.iter().collect();
+    let ports = ports_of(&info, &refs, node);
+    (ports, skipped_of(&info, &refs))
+}
+
+/// The problems of a Service and its slices, attached to the Service.
+pub fn skipped_of(svc: &ServiceInfo, slices: &[&SliceInfo]) -> Vec<Skipped> {
+    let object = svc.key.to_string();
+    let own = svc.problems.iter().map(|reason| Skipped {
+        object: object.clone(),
+        reason: reason.clone(),
+    });
+    let of_slices = slices.iter().flat_map(|s| {
+        s.problems.iter().map(|p| Skipped {
+            object: object.clone(),
+            reason: format!("EndpointSlice {}: {p}", s.key.name),
+        })
+    });
+    own.chain(of_slices).collect()
+}
+
+/// The Service ports of a parsed Service for this node, endpoints resolved
+/// from its parsed slices: for each family the Service has a ClusterIP of
+/// (kube-proxy's per-family proxiers skip a Service without one), each port
+/// with that family's addresses, ranges and EndpointSlices. IPv4 first.
+pub fn ports_of(svc: &ServiceInfo, slices: &[&SliceInfo], node: &NodeInfo) -> Vec<ServicePort> {
+    let Some(spec) = &svc.spec else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for family in IpFamily::BOTH {
+        let cluster_ips = of_family(&spec.cluster_ips, family);
+        if cluster_ips.is_empty() {
+            continue;
+        }
+        let endpoints = collect_endpoints(spec.topology, slices, node, family);
+        let external_ips = of_family(&spec.external_ips, family);
+        let load_balancer_ips = of_family(&spec.load_balancer_ips, family);
+        let ranges: Vec<IpCidr> = spec
+            .load_balancer_source_ranges
+            .iter()
+            .copied()
+            .filter(|r| r.family() == family)
+            .collect();
+        out.extend(spec.ports.iter().map(|p| {
+            ServicePort {
+                namespace: svc.key.namespace.to_string(),
+                name: svc.key.name.to_string(),
+                port_name: p.name.clone(),
+                proto: p.proto,
+                family,
+                port: p.port,
+                cluster_ips: cluster_ips.clone(),
+                node_port: p.node_port,
+                external_ips: external_ips.clone(),
+                load_balancer_ips: load_balancer_ips.clone(),
+                load_balancer_source_ranges: ranges.clone(),
+                external_policy_local: spec.external_policy_local,
+                internal_policy_local: spec.internal_policy_local,
+                affinity_timeout: spec.affinity_timeout,
+                endpoints: endpoints
+                    .iter()
+                    .find(|(name, proto, _)| *name == p.name.as_str() && *proto == p.proto)
+                    .map(|(_, _, eps)| eps.clone())
+                    .unwrap_or_default(),
+            }
+        }));
     }
     out
 }
 
-/// One endpoint as the slices describe it, before set selection.
-#[derive(Clone, Debug)]
-struct SliceEndpoint {
-    endpoint: Endpoint,
-    zone_hints: Option<Vec<String>>,
-    node_hints: Option<Vec<String>>,
-}
-
-/// Endpoints per (port name, protocol), deduplicated and topology-marked.
-fn collect_endpoints(
-    svc: &Service,
-    slices: &[&EndpointSlice],
+/// Endpoints of `family`'s slices per (port name, protocol), deduplicated
+/// and topology-marked, ordered by address and port.
+fn collect_endpoints<'a>(
+    topology: Topology,
+    slices: &[&'a SliceInfo],
     node: &NodeInfo,
-) -> BTreeMap<(String, Protocol), Vec<Endpoint>> {
-    let mut by_port: BTreeMap<(String, Protocol), BTreeMap<(Ipv4Addr, u16), SliceEndpoint>> = BTreeMap::new();
+    family: IpFamily,
+) -> Vec<(&'a str, Protocol, Vec<Endpoint>)> {
+    // (port name, protocol, address, port, terminating) → endpoint: sorted,
+    // the first copy of a duplicate IP:port is the non-terminating one.
+    let mut all: Vec<(&str, Protocol, Endpoint, Option<HintsId>)> = Vec::new();
+    let here = (!node.name.is_empty())
+        .then(|| NodeId::lookup(&node.name))
+        .flatten();
     for slice in slices {
-        if slice.address_type != "IPv4" || !proxied(slice.metadata.labels.as_ref()) {
+        if slice.family != Some(family) {
             continue;
         }
-        for sp in slice.ports.iter().flatten() {
-            // A port without a number is ignored; no name matches the empty name.
-            let Some(Ok(number)) = sp.port.map(|p| port_number(p, "port")) else {
-                continue;
-            };
-            let Ok(proto) = protocol(sp.protocol.as_deref()) else {
-                continue;
-            };
-            let entries = by_port
-                .entry((sp.name.clone().unwrap_or_default(), proto))
-                .or_default();
+        for sp in &slice.ports {
             for e in &slice.endpoints {
-                // Only the first address of an endpoint is used.
-                let Some(Ok(addr)) = e.addresses.first().map(|a| a.parse::<Ipv4Addr>()) else {
-                    continue;
+                let endpoint = Endpoint {
+                    addr: e.addr,
+                    port: sp.port,
+                    ready: e.ready,
+                    serving: e.serving,
+                    terminating: e.terminating,
+                    local: here.is_some() && e.node == here,
+                    in_topology: true,
                 };
-                let c = e.conditions.as_ref();
-                let ready = c.and_then(|c| c.ready).unwrap_or(true);
-                let serving = c.and_then(|c| c.serving).unwrap_or(ready);
-                let terminating = c.and_then(|c| c.terminating).unwrap_or(false);
-                let candidate = SliceEndpoint {
-                    endpoint: Endpoint {
-                        addr,
-                        port: number,
-                        ready,
-                        serving,
-                        terminating,
-                        local: e.node_name.as_deref() == Some(node.name.as_str()) && !node.name.is_empty(),
-                        in_topology: true,
-                    },
-                    zone_hints: e
-                        .hints
-                        .as_ref()
-                        .and_then(|h| h.for_zones.as_ref())
-                        .map(|z| z.iter().map(|z| z.name.clone()).collect()),
-                    node_hints: e
-                        .hints
-                        .as_ref()
-                        .and_then(|h| h.for_nodes.as_ref())
-                        .map(|n| n.iter().map(|n| n.name.clone()).collect()),
-                };
-                // Duplicate IP:port across slices: the non-terminating copy wins.
-                match entries.get(&(addr, number)) {
-                    Some(existing) if !existing.endpoint.terminating || candidate.endpoint.terminating => {}
-                    _ => {
-                        entries.insert((addr, number), candidate);
-                    }
-                }
+                all.push((sp.name.as_str(), sp.proto, endpoint, e.hints));
             }
         }
     }
-    by_port
-        .into_iter()
-        .map(|(key, eps)| {
-            let mut eps: Vec<SliceEndpoint> = eps.into_values().collect();
-            apply_topology(svc, node, &mut eps);
-            (key, eps.into_iter().map(|e| e.endpoint).collect())
-        })
-        .collect()
+    // Stable: among equal copies, the first slice's wins (as before).
+    all.sort_by(|a, b| {
+        (a.0, a.1, a.2.addr, a.2.port, a.2.terminating).cmp(&(b.0, b.1, b.2.addr, b.2.port, b.2.terminating))
+    });
+    // Duplicate IP:port across slices: the non-terminating copy wins.
+    all.dedup_by(|later, first| {
+        first.0 == later.0
+            && first.1 == later.1
+            && first.2.addr == later.2.addr
+            && first.2.port == later.2.port
+    });
+    let mut out: Vec<(&str, Protocol, Vec<Endpoint>)> = Vec::new();
+    let mut start = 0;
+    while start < all.len() {
+        let (name, proto) = (all[start].0, all[start].1);
+        let end = start
+            + all[start..]
+                .iter()
+                .take_while(|e| e.0 == name && e.1 == proto)
+                .count();
+        let group = &mut all[start..end];
+        apply_topology(topology, node, group);
+        out.push((name, proto, group.iter().map(|e| e.2).collect()));
+        start = end;
+    }
+    out
 }
 
 /// Topology-aware routing: hints are used only if the Service asks for them
@@ -319,41 +711,35 @@ fn collect_endpoints(
 /// endpoint carries one, and at least one matches this node (PreferSameNode)
 /// or its zone; otherwise nothing is filtered. Filtered-out endpoints stay
 /// backends (established flows) but leave the cluster set.
-fn apply_topology(svc: &Service, node: &NodeInfo, eps: &mut [SliceEndpoint]) {
-    let spec = svc.spec.as_ref();
-    let distribution = spec.and_then(|s| s.traffic_distribution.as_deref());
-    let annotations = svc.metadata.annotations.as_ref();
-    let annotated = annotations.is_some_and(|a| {
-        a.get(ANNOTATION_TOPOLOGY_MODE)
-            .or_else(|| a.get(ANNOTATION_TOPOLOGY_HINTS))
-            .is_some_and(|v| !v.is_empty() && !v.eq_ignore_ascii_case("disabled"))
-    });
-    if !annotated
-        && !matches!(
-            distribution,
-            Some("PreferClose") | Some("PreferSameZone") | Some("PreferSameNode")
-        )
-    {
+fn apply_topology(
+    topology: Topology,
+    node: &NodeInfo,
+    eps: &mut [(&str, Protocol, Endpoint, Option<HintsId>)],
+) {
+    if topology == Topology::Off {
         return;
     }
-    let ready = || eps.iter().filter(|e| e.endpoint.ready);
-    let by_node = distribution == Some("PreferSameNode")
-        && ready().all(|e| e.node_hints.as_ref().is_some_and(|h| !h.is_empty()))
-        && ready().any(|e| e.node_hints.as_ref().is_some_and(|h| h.contains(&node.name)));
+    let hints: Vec<Option<Arc<Hints>>> = eps.iter().map(|e| e.3.map(HintsId::get)).collect();
+    let zones = |i: usize| hints[i].as_ref().map_or(&[][..], |h| &h.zones[..]);
+    let nodes = |i: usize| hints[i].as_ref().map_or(&[][..], |h| &h.nodes[..]);
+    let ready: Vec<usize> = (0..eps.len()).filter(|i| eps[*i].2.ready).collect();
+    let by_node = topology == Topology::Node
+        && ready.iter().all(|i| !nodes(*i).is_empty())
+        && ready.iter().any(|i| nodes(*i).contains(&node.name));
     if by_node {
-        for e in eps.iter_mut() {
-            e.endpoint.in_topology = e.node_hints.as_ref().is_some_and(|h| h.contains(&node.name));
+        for (i, e) in eps.iter_mut().enumerate() {
+            e.2.in_topology = nodes(i).contains(&node.name);
         }
         return;
     }
     let Some(zone) = node.zone.as_ref() else {
         return;
     };
-    let by_zone = ready().all(|e| e.zone_hints.as_ref().is_some_and(|h| !h.is_empty()))
-        && ready().any(|e| e.zone_hints.as_ref().is_some_and(|h| h.contains(zone)));
+    let by_zone =
+        ready.iter().all(|i| !zones(*i).is_empty()) && ready.iter().any(|i| zones(*i).contains(zone));
     if by_zone {
-        for e in eps.iter_mut() {
-            e.endpoint.in_topology = e.zone_hints.as_ref().is_some_and(|h| h.contains(zone));
+        for (i, e) in eps.iter_mut().enumerate() {
+            e.2.in_topology = zones(i).contains(zone);
         }
     }
 }
@@ -522,6 +908,33 @@ endpoints: {endpoints}
         assert_eq!(p[0].external_ips.len(), 1);
         assert_eq!(skipped.len(), 1, "{skipped:?}");
         assert!(skipped[0].reason.contains("nonsense"));
+    }
+
+    #[test]
+    fn malformed_endpoint_addresses_and_slice_ports_are_reported_and_the_rest_kept() {
+        let eps = "[{addresses: [not-an-ip]}, {addresses: [10.244.0.999]}, {addresses: [\"fd00::1\"]}, {addresses: [10.0.0.1]}]";
+        let (p, skipped) = ports(&(SVC.to_owned() + &slice(eps)));
+        assert_eq!(addrs(&p[0]), ["10.0.0.1"]);
+        let reasons: Vec<&str> = skipped.iter().map(|s| s.reason.as_str()).collect();
+        assert_eq!(reasons.len(), 3, "{reasons:?}");
+        assert!(
+            reasons[0].contains("\"not-an-ip\" is not an IPv4 address"),
+            "{reasons:?}"
+        );
+        assert!(reasons[1].contains("10.244.0.999"), "{reasons:?}");
+        assert!(
+            reasons[2].contains("IPv6 address in an IPv4 slice"),
+            "{reasons:?}"
+        );
+        assert!(skipped.iter().all(|s| s.object == "default/web"));
+        // Reported once per endpoint, not once per slice port.
+        let two_ports = slice("[{addresses: [nope]}]").replace(
+            "ports: [{name: http, port: 8080, protocol: TCP}]",
+            "ports: [{name: http, port: 8080, protocol: TCP}, {name: dns, port: 53, protocol: UDP}, {name: bad, port: 70000}]",
+        );
+        let (_, skipped) = ports(&(SVC.to_owned() + &two_ports));
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        assert!(skipped[1].reason.contains("70000"), "{skipped:?}");
     }
 
     #[test]

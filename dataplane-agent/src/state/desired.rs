@@ -1,29 +1,32 @@
 //! kube-proxy's semantics as a pure function: Service ports and the node's
 //! view in, frontends and backend sets out.
+//!
+//! [`contribution`] is what one Service port adds to the table; the
+//! incremental table ([`super::incremental`]) keeps one per port, and
+//! [`compute`] folds them into the whole table at once (the reference the
+//! incremental one is tested against). Both resolve the two questions that
+//! involve more than one port the same way: a frontend claimed twice goes to
+//! the claimant that ranks first, and a backend named by several ports gets
+//! the merge of their views ([`BackendClaims`]).
 
 use std::{
     collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
+    net::IpAddr,
+    sync::Arc,
 };
 
-use super::model::{Endpoint, NodeContext, ServicePort};
-use crate::{
-    dataplane::{Backend, BackendSet, EmptyVerdict, Frontend, FrontendEntry, FrontendKind},
-    net::{Ipv4Cidr, Protocol},
+pub use super::table::BackendKey;
+use super::{
+    model::{Endpoint, NodeContext, ServicePort},
+    table::{Backend, BackendSet, EmptyVerdict, Frontend, FrontendEntry, FrontendKind, ServicePortName},
 };
-
-/// A backend as the desired state names it: by address, not by id.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct BackendKey {
-    pub addr: Ipv4Addr,
-    pub port: u16,
-    pub proto: Protocol,
-}
+use crate::net::{IpCidr, IpFamily};
 
 /// Why part of a Service port could not be programmed. The rest of it, and
 /// every other Service, still is.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Problem {
+    /// `namespace/name:port`.
     pub service: String,
     pub message: String,
 }
@@ -33,23 +36,139 @@ pub struct DesiredTable {
     pub frontends: BTreeMap<Frontend, FrontendEntry<BackendKey>>,
     pub backends: BTreeMap<BackendKey, Backend>,
     /// ClusterIPs: ports they do not serve are rejected.
-    pub service_addresses: BTreeSet<Ipv4Addr>,
+    pub service_addresses: BTreeSet<IpAddr>,
     /// (service id, allowed source prefix).
-    pub source_ranges: BTreeSet<(u32, Ipv4Cidr)>,
-    /// service id → `namespace/name:port`.
-    pub service_names: BTreeMap<u32, String>,
+    pub source_ranges: BTreeSet<(u32, IpCidr)>,
+    /// service id → its Service port.
+    pub service_names: BTreeMap<u32, Arc<ServicePortName>>,
     pub problems: Vec<Problem>,
 }
 
-/// Computes the table for `ports` (each with its stable service id).
+/// What one Service port puts into the table.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Contribution {
+    /// Every frontend it claims (another port may hold some of them).
+    pub frontends: Vec<(Frontend, FrontendEntry<BackendKey>)>,
+    /// One per endpoint, whatever its conditions.
+    pub backends: Vec<Backend>,
+    /// Its ClusterIPs.
+    pub service_addresses: Vec<IpAddr>,
+    /// Its loadBalancerSourceRanges (keyed by its service id).
+    pub source_ranges: BTreeSet<IpCidr>,
+}
+
+/// The views several Service ports have of one backend (the same
+/// ip:port:proto), merged so that the order they come in does not matter:
+/// serving if any port sees it serving, terminating if every port sees it
+/// terminating, local if any sees it local (ports of one node agree on
+/// that). Only the agent reads these flags; the datapath uses the sets.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BackendClaims {
+    pub claims: u32,
+    pub serving: u32,
+    pub terminating: u32,
+    pub local: u32,
+}
+
+impl BackendClaims {
+    pub fn add(&mut self, b: &Backend) {
+        self.claims += 1;
+        self.serving += b.serving as u32;
+        self.terminating += b.terminating as u32;
+        self.local += b.local as u32;
+    }
+
+    /// False when no claim is left.
+    pub fn remove(&mut self, b: &Backend) -> bool {
+        self.claims -= 1;
+        self.serving -= b.serving as u32;
+        self.terminating -= b.terminating as u32;
+        self.local -= b.local as u32;
+        self.claims > 0
+    }
+
+    pub fn merged(&self, key: &BackendKey) -> Backend {
+        Backend {
+            addr: key.addr,
+            port: key.port,
+            proto: key.proto,
+            serving: self.serving > 0,
+            terminating: self.claims > 0 && self.terminating == self.claims,
+            local: self.local > 0,
+        }
+    }
+}
+
+/// The order in which Service ports claim frontends: the Service created
+/// first keeps a frontend another one also claims (kube-proxy's "the
+/// existing holder keeps it"); between equal creation times, and for
+/// objects without one (manifests, which come after those with one), the
+/// Service the agent saw first; then namespace/name/port.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub struct Rank {
+    created: (bool, i64),
+    seen: u64,
+    name: Arc<ServicePortName>,
+}
+
+impl Rank {
+    /// `age` as [`crate::k8s::store::Store::age`] gives it: (creation time,
+    /// first-seen sequence number).
+    pub fn new(age: (Option<i64>, u64), name: impl Into<Arc<ServicePortName>>) -> Self {
+        let (created, seen) = age;
+        Self {
+            created: (created.is_none(), created.unwrap_or(0)),
+            seen,
+            name: name.into(),
+        }
+    }
+
+    pub fn name(&self) -> &Arc<ServicePortName> {
+        &self.name
+    }
+}
+
+/// The message of a claimant that loses a frontend to the holder.
+pub fn conflict_message(kind: FrontendKind, fe: &Frontend, holder: &ServicePortName) -> String {
+    format!(
+        "{} {fe} is already held by {holder} (created earlier, or seen earlier); this one is skipped until it is free",
+        kind.as_str()
+    )
+}
+
+/// Computes the whole table for `ports` (each with its stable service id),
+/// the first claimant of a frontend in the given order keeping it (sort by
+/// [`Rank`] for the agent's rule).
 pub fn compute<'a>(
     ports: impl IntoIterator<Item = (u32, &'a ServicePort)>,
     node: &NodeContext,
 ) -> DesiredTable {
     let mut table = DesiredTable::default();
+    let mut claims: BTreeMap<BackendKey, BackendClaims> = BTreeMap::new();
     for (id, port) in ports {
-        add_service_port(&mut table, id, port, node);
+        let c = contribution(id, port, node);
+        let name = port.name();
+        for b in &c.backends {
+            claims.entry(b.key()).or_default().add(b);
+        }
+        table.service_addresses.extend(c.service_addresses);
+        table
+            .source_ranges
+            .extend(c.source_ranges.iter().map(|r| (id, *r)));
+        for (fe, entry) in c.frontends {
+            match table.frontends.get(&fe) {
+                Some(held) => table.problems.push(Problem {
+                    service: name.to_string(),
+                    message: conflict_message(entry.kind, &fe, &table.service_names[&held.service_id]),
+                }),
+                None => {
+                    table.frontends.insert(fe, entry);
+                }
+            }
+        }
+        table.service_names.insert(id, Arc::new(name));
     }
+    table.backends = claims.iter().map(|(k, c)| (*k, c.merged(k))).collect();
     table
 }
 
@@ -78,17 +197,16 @@ pub fn endpoint_sets(endpoints: &[Endpoint]) -> EndpointSets<'_> {
     }
 }
 
-fn add_service_port(table: &mut DesiredTable, id: u32, sp: &ServicePort, node: &NodeContext) {
-    if sp.proto == Protocol::Sctp {
-        table.problems.push(Problem {
-            service: sp.id(),
-            message: "SCTP ports are not translated by this datapath (port rewrite needs a CRC32c \
-                      recompute); the port is skipped"
-                .into(),
-        });
-        return;
-    }
-    table.service_names.insert(id, sp.id());
+/// Whether a port with a Local policy has no local endpoint (kube-proxy's
+/// `sync_proxy_rules_no_local_endpoints_total`).
+pub fn lacks_local_endpoints(sp: &ServicePort) -> bool {
+    ((sp.external_policy_local && sp.externally_accessible()) || sp.internal_policy_local)
+        && endpoint_sets(&sp.endpoints).local.is_empty()
+}
+
+/// What Service port `sp` (service id `id`) puts into the table.
+pub fn contribution(id: u32, sp: &ServicePort, node: &NodeContext) -> Contribution {
+    let mut c = Contribution::default();
     let sets = endpoint_sets(&sp.endpoints);
     // No usable endpoint at all: every destination rejects. Otherwise an
     // empty (Local) set drops.
@@ -97,37 +215,29 @@ fn add_service_port(table: &mut DesiredTable, id: u32, sp: &ServicePort, node: &
     } else {
         EmptyVerdict::Drop
     };
+    let key = |e: &Endpoint| BackendKey {
+        addr: e.addr,
+        port: e.port,
+        proto: sp.proto,
+    };
     let set = |eps: &[&Endpoint]| BackendSet {
-        backends: eps
-            .iter()
-            .map(|e| BackendKey {
-                addr: e.addr,
-                port: e.port,
-                proto: sp.proto,
-            })
-            .collect(),
+        backends: eps.iter().map(|e| key(e)).collect(),
         when_empty,
     };
     // Every endpoint of the port is a backend, whatever its conditions:
     // established flows keep their backend until the endpoint is gone.
-    for e in &sp.endpoints {
-        let key = BackendKey {
+    c.backends = sp
+        .endpoints
+        .iter()
+        .map(|e| Backend {
             addr: e.addr,
             port: e.port,
             proto: sp.proto,
-        };
-        table.backends.insert(
-            key,
-            Backend {
-                addr: e.addr,
-                port: e.port,
-                proto: sp.proto,
-                serving: e.serving,
-                terminating: e.terminating,
-                local: e.local,
-            },
-        );
-    }
+            serving: e.serving,
+            terminating: e.terminating,
+            local: e.local,
+        })
+        .collect();
     let base = FrontendEntry {
         service_id: id,
         kind: FrontendKind::ClusterIp,
@@ -143,21 +253,36 @@ fn add_service_port(table: &mut DesiredTable, id: u32, sp: &ServicePort, node: &
         external_local: sp.external_policy_local,
         internal_local: sp.internal_policy_local,
     };
+    // The node's addresses of the port's family (a dual-stack node serves
+    // each family's NodePorts on that family's addresses).
+    let same_family = |ips: &[IpAddr]| -> Vec<IpAddr> {
+        ips.iter()
+            .copied()
+            .filter(|ip| IpFamily::of(ip) == sp.family)
+            .collect()
+    };
+    let node_port_addresses = same_family(&node.node_port_addresses);
+    // Exactly as many as it claims: a hundred thousand of these are kept.
+    let external = if sp.externally_accessible() {
+        sp.node_port.map_or(0, |_| node_port_addresses.len())
+            + sp.external_ips.len()
+            + sp.load_balancer_ips.len()
+    } else {
+        0
+    };
+    c.frontends.reserve_exact(sp.cluster_ips.len() + external);
+    c.service_addresses.reserve_exact(sp.cluster_ips.len());
     for &ip in &sp.cluster_ips {
-        insert(
-            table,
-            sp,
-            Frontend {
-                addr: ip,
-                port: sp.port,
-                proto: sp.proto,
-            },
-            base.clone(),
-        );
-        table.service_addresses.insert(ip);
+        let fe = Frontend {
+            addr: ip,
+            port: sp.port,
+            proto: sp.proto,
+        };
+        c.frontends.push((fe, base.clone()));
+        c.service_addresses.push(ip);
     }
     if !sp.externally_accessible() {
-        return;
+        return c;
     }
     // External destinations: eTP=Cluster uses the cluster set and
     // masquerades; eTP=Local keeps the client address and uses the local set
@@ -178,7 +303,7 @@ fn add_service_port(table: &mut DesiredTable, id: u32, sp: &ServicePort, node: &
     let ranges = &sp.load_balancer_source_ranges;
     let node_ports = sp
         .node_port
-        .map(|p| (FrontendKind::NodePort, &node.node_port_addresses, p));
+        .map(|p| (FrontendKind::NodePort, &node_port_addresses, p));
     let destinations = node_ports.into_iter().chain([
         (FrontendKind::ExternalIp, &sp.external_ips, sp.port),
         (FrontendKind::LoadBalancer, &sp.load_balancer_ips, sp.port),
@@ -196,11 +321,11 @@ fn add_service_port(table: &mut DesiredTable, id: u32, sp: &ServicePort, node: &
                 port,
                 proto: sp.proto,
             };
-            insert(table, sp, fe, entry);
+            c.frontends.push((fe, entry));
         }
     }
     if !ranges.is_empty() && !sp.load_balancer_ips.is_empty() {
-        table.source_ranges.extend(ranges.iter().map(|r| (id, *r)));
+        c.source_ranges.extend(ranges.iter().copied());
         // A node inside the ranges may also reach the LB IPs from them.
         if node
             .node_ips
@@ -208,37 +333,19 @@ fn add_service_port(table: &mut DesiredTable, id: u32, sp: &ServicePort, node: &
             .any(|ip| ranges.iter().any(|r| r.contains(*ip)))
         {
             for &lb in &sp.load_balancer_ips {
-                table
-                    .source_ranges
-                    .insert((id, Ipv4Cidr::new(lb, 32).expect("/32")));
+                let host = if lb.is_ipv4() { 32 } else { 128 };
+                c.source_ranges
+                    .insert(IpCidr::new(lb, host).expect("a host prefix"));
             }
         }
     }
-}
-
-/// First come, first served: a frontend two Service ports claim stays with
-/// the first (in the iteration order the caller gives), the other is
-/// reported.
-fn insert(table: &mut DesiredTable, sp: &ServicePort, fe: Frontend, entry: FrontendEntry<BackendKey>) {
-    if let Some(existing) = table.frontends.get(&fe) {
-        let owner = table
-            .service_names
-            .get(&existing.service_id)
-            .cloned()
-            .unwrap_or_default();
-        table.problems.push(Problem {
-            service: sp.id(),
-            message: format!(
-                "{} {}:{}/{} is already used by {owner}; this one is skipped",
-                entry.kind.as_str(),
-                fe.addr,
-                fe.port,
-                fe.proto
-            ),
-        });
-        return;
-    }
-    table.frontends.insert(fe, entry);
+    // One port claiming one frontend twice (e.g. an external IP that is
+    // also its LB IP): the first claim stands.
+    let mut seen = BTreeSet::new();
+    c.frontends.retain(|(fe, _)| seen.insert(*fe));
+    c.service_addresses.sort();
+    c.service_addresses.dedup();
+    c
 }
 
 #[cfg(test)]
@@ -247,19 +354,27 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::net::Protocol;
 
-    const NODE: Ipv4Addr = Ipv4Addr::new(192, 168, 0, 1);
+    fn last_octet(a: IpAddr) -> u8 {
+        match a {
+            IpAddr::V4(a) => a.octets()[3],
+            IpAddr::V6(a) => a.octets()[15],
+        }
+    }
+
+    const NODE: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(192, 168, 0, 1));
 
     fn node() -> NodeContext {
         NodeContext {
-            node_port_addresses: vec![NODE, Ipv4Addr::new(192, 168, 1, 1)],
+            node_port_addresses: vec![NODE, IpAddr::from([192, 168, 1, 1])],
             node_ips: vec![NODE],
         }
     }
 
     fn ep(last: u8, ready: bool, serving: bool, terminating: bool, local: bool) -> Endpoint {
         Endpoint {
-            addr: Ipv4Addr::new(10, 0, 0, last),
+            addr: IpAddr::from([10, 0, 0, last]),
             port: 8080,
             ready,
             serving,
@@ -281,8 +396,9 @@ mod tests {
             name: "svc".into(),
             port_name: "http".into(),
             proto: Protocol::Tcp,
+            family: IpFamily::V4,
             port: 80,
-            cluster_ips: vec![Ipv4Addr::new(10, 96, 0, 1)],
+            cluster_ips: vec![IpAddr::from([10, 96, 0, 1])],
             node_port: None,
             external_ips: vec![],
             load_balancer_ips: vec![],
@@ -298,7 +414,7 @@ mod tests {
         compute([(7, sp)], &node())
     }
 
-    fn fe(addr: Ipv4Addr, port: u16) -> Frontend {
+    fn fe(addr: IpAddr, port: u16) -> Frontend {
         Frontend {
             addr,
             port,
@@ -307,11 +423,11 @@ mod tests {
     }
 
     fn addrs(set: &BackendSet<BackendKey>) -> Vec<u8> {
-        set.backends.iter().map(|k| k.addr.octets()[3]).collect()
+        set.backends.iter().map(|k| last_octet(k.addr)).collect()
     }
 
     fn cluster_ip_entry(t: &DesiredTable) -> &FrontendEntry<BackendKey> {
-        &t.frontends[&fe(Ipv4Addr::new(10, 96, 0, 1), 80)]
+        &t.frontends[&fe(IpAddr::from([10, 96, 0, 1]), 80)]
     }
 
     #[test]
@@ -364,8 +480,8 @@ mod tests {
     fn no_usable_endpoints_rejects_every_destination() {
         let mut sp = port(vec![ep(1, false, false, true, true)]);
         sp.node_port = Some(30000);
-        sp.external_ips = vec![Ipv4Addr::new(203, 0, 113, 1)];
-        sp.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 2)];
+        sp.external_ips = vec![IpAddr::from([203, 0, 113, 1])];
+        sp.load_balancer_ips = vec![IpAddr::from([203, 0, 113, 2])];
         sp.external_policy_local = true;
         sp.internal_policy_local = true;
         let t = table(&sp);
@@ -395,10 +511,10 @@ mod tests {
     #[test]
     fn external_traffic_policy_local_keeps_sources_and_short_circuits_in_cluster_traffic() {
         let mut sp = port(vec![ready(1, false), ready(2, true)]);
-        sp.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 2)];
+        sp.load_balancer_ips = vec![IpAddr::from([203, 0, 113, 2])];
         sp.external_policy_local = true;
         let t = table(&sp);
-        let lb = &t.frontends[&fe(Ipv4Addr::new(203, 0, 113, 2), 80)];
+        let lb = &t.frontends[&fe(IpAddr::from([203, 0, 113, 2]), 80)];
         assert!(!lb.masquerade);
         assert_eq!(addrs(&lb.backends), [2], "external sources: local endpoints only");
         assert_eq!(
@@ -409,7 +525,7 @@ mod tests {
         // And without a local endpoint: external sources are dropped.
         sp.endpoints = vec![ready(1, false)];
         let t = table(&sp);
-        let lb = &t.frontends[&fe(Ipv4Addr::new(203, 0, 113, 2), 80)];
+        let lb = &t.frontends[&fe(IpAddr::from([203, 0, 113, 2]), 80)];
         assert_eq!(lb.backends.when_empty, EmptyVerdict::Drop);
     }
 
@@ -434,8 +550,8 @@ mod tests {
     fn source_ranges_apply_to_lb_ips_only_and_let_lb_ips_in_when_the_node_is_inside() {
         let mut sp = port(vec![ready(1, true)]);
         sp.node_port = Some(30000);
-        sp.external_ips = vec![Ipv4Addr::new(203, 0, 113, 1)];
-        sp.load_balancer_ips = vec![Ipv4Addr::new(203, 0, 113, 2)];
+        sp.external_ips = vec![IpAddr::from([203, 0, 113, 1])];
+        sp.load_balancer_ips = vec![IpAddr::from([203, 0, 113, 2])];
         sp.load_balancer_source_ranges = vec!["198.51.100.0/24".parse().unwrap()];
         let t = table(&sp);
         for (f, e) in &t.frontends {
@@ -451,7 +567,7 @@ mod tests {
     #[test]
     fn cluster_ips_are_service_addresses_so_unknown_ports_are_rejected() {
         let t = table(&port(vec![ready(1, true)]));
-        assert!(t.service_addresses.contains(&Ipv4Addr::new(10, 96, 0, 1)));
+        assert!(t.service_addresses.contains(&IpAddr::from([10, 96, 0, 1])));
     }
 
     #[test]
@@ -482,19 +598,20 @@ mod tests {
         assert!(
             !t.backends
                 .values()
-                .find(|b| b.addr.octets()[3] == 2)
+                .find(|b| last_octet(b.addr) == 2)
                 .unwrap()
                 .serving
         );
     }
 
     #[test]
-    fn sctp_ports_are_reported_and_skipped() {
+    fn sctp_ports_are_programmed_like_tcp() {
         let mut sp = port(vec![ready(1, true)]);
         sp.proto = Protocol::Sctp;
         let t = table(&sp);
-        assert!(t.frontends.is_empty());
-        assert_eq!(t.problems.len(), 1);
+        assert!(t.problems.is_empty());
+        assert!(!t.frontends.is_empty());
+        assert!(t.frontends.keys().all(|k| k.proto == Protocol::Sctp));
     }
 
     #[test]
@@ -503,13 +620,13 @@ mod tests {
         a.node_port = Some(30000);
         let mut b = port(vec![ready(2, true)]);
         b.name = "other".into();
-        b.cluster_ips = vec![Ipv4Addr::new(10, 96, 0, 2)];
+        b.cluster_ips = vec![IpAddr::from([10, 96, 0, 2])];
         b.node_port = Some(30000);
         let t = compute([(1, &a), (2, &b)], &node());
         assert_eq!(t.frontends[&fe(NODE, 30000)].service_id, 1);
         assert_eq!(t.problems.len(), 2, "one per node-port address");
         assert!(
-            t.frontends.contains_key(&fe(Ipv4Addr::new(10, 96, 0, 2), 80)),
+            t.frontends.contains_key(&fe(IpAddr::from([10, 96, 0, 2]), 80)),
             "the rest of b stays"
         );
     }

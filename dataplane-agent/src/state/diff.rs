@@ -1,112 +1,243 @@
-//! From (current, desired) to ordered map operations.
+//! From (what the maps hold, what is desired) to ordered map operations.
 //!
-//! [`Programmer`] remembers what it wrote (the current table) and turns each
-//! new desired table into the minimal list of [`Op`]s, ordered so that a
-//! packet never sees a half-written service: backends and source ranges
-//! first, then frontends (each written slots-then-slot-0 by the map layer),
-//! removals last and in reverse. Backend ids come from a free list and are
-//! released only once no frontend refers to them.
+//! [`Programmer`] mirrors the maps: every frontend, backend (by id),
+//! ClusterIP, source range and service name it knows to be there, and how
+//! many frontend slots name each backend id. [`Programmer::plan`] compares
+//! the mirror with the desired table for the keys that may have changed
+//! ([`Dirty`]; all of them for a full plan) and returns the operations that
+//! make the maps match, in an order where **every prefix is safe**: names,
+//! backends, source ranges and ClusterIPs first, then frontends (each written
+//! slots-then-slot-0 by the map layer), then removals in reverse. A packet
+//! never sees a frontend naming a backend that is not written, and a plan
+//! cut short by a failed write leaves the maps consistent.
+//!
+//! The mirror changes only when an operation is reported done
+//! ([`Programmer::applied`]); after a failure the caller re-reads the maps
+//! ([`Programmer::reset`]) and plans everything again. Backend ids come from
+//! a free list; an id is released only once its removal is written and no
+//! frontend slot names it, so an id is never reused while referenced.
 
-use std::{
-    collections::{BTreeMap, BTreeSet},
-    net::Ipv4Addr,
-};
+use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
+use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
-use super::desired::{BackendKey, DesiredTable};
-use crate::{
-    dataplane::{Backend, BackendId, BackendSet, DatapathError, Frontend, FrontendEntry, LbMaps},
-    net::Ipv4Cidr,
+use super::{
+    desired::DesiredTable,
+    ids::IdAllocator,
+    incremental::{Dirty, ServiceTable},
+    table::{
+        Backend, BackendId, BackendKey, Frontend, FrontendEntry, MapTable, ServicePortName, SlotCounts,
+        StraySlot,
+    },
 };
+use crate::net::{IpCidr, IpFamily, Protocol};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Op {
+    SetServiceName(u32, Arc<ServicePortName>),
     SetBackend(BackendId, Backend),
-    AddSourceRange(u32, Ipv4Cidr),
-    SetServiceAddress(Ipv4Addr),
-    SetFrontend(Frontend, FrontendEntry),
-    RemoveFrontend(Frontend),
-    RemoveServiceAddress(Ipv4Addr),
-    RemoveSourceRange(u32, Ipv4Cidr),
-    RemoveBackend(BackendId),
-    /// Clear UDP conntrack entries pinned to backends that are gone.
-    PurgeUdpFlows(Vec<BackendId>),
+    AddSourceRange(u32, IpCidr),
+    SetServiceAddress(IpAddr),
+    SetFrontend {
+        frontend: Frontend,
+        /// Boxed: a million-op plan holds mostly small operations.
+        entry: Box<FrontendEntry>,
+        /// What it replaces, if anything.
+        previous: Option<SlotCounts>,
+    },
+    RemoveFrontend {
+        frontend: Frontend,
+        previous: SlotCounts,
+    },
+    RemoveServiceAddress(IpAddr),
+    RemoveSourceRange(u32, IpCidr),
+    RemoveStraySlot(StraySlot),
+    /// With the address the id held: its family says which backends map
+    /// holds the id, and the address stays in the egress filter while
+    /// established flows to it live on.
+    RemoveBackend(BackendId, IpAddr),
+    RemoveServiceName(u32),
+    /// Clear UDP conntrack entries of flows to these backends (address,
+    /// port), which stopped serving or are gone (kube-proxy does, so that
+    /// e.g. DNS clients move on).
+    PurgeUdpFlows(Vec<(IpAddr, u16)>),
 }
 
-/// Applies operations: the real maps, or a fake in tests.
+impl Op {
+    /// The family whose maps the operation writes (`None`: maps both
+    /// families share, such as service names).
+    pub fn family(&self) -> Option<IpFamily> {
+        match self {
+            Op::SetServiceName(..) | Op::RemoveServiceName(_) => None,
+            Op::SetBackend(_, b) => Some(IpFamily::of(&b.addr)),
+            Op::AddSourceRange(_, r) | Op::RemoveSourceRange(_, r) => Some(r.family()),
+            Op::SetServiceAddress(a) | Op::RemoveServiceAddress(a) => Some(IpFamily::of(a)),
+            Op::SetFrontend { frontend, .. } | Op::RemoveFrontend { frontend, .. } => Some(frontend.family()),
+            Op::RemoveStraySlot(s) => Some(s.frontend.family()),
+            Op::RemoveBackend(_, a) => Some(IpFamily::of(a)),
+            Op::PurgeUdpFlows(_) => None,
+        }
+    }
+}
+
+/// The maps, as the programmer sees them: the real ones, or a fake in
+/// tests.
 pub trait MapWriter {
-    fn apply(&mut self, op: &Op) -> Result<(), DatapathError>;
-}
+    type Error: std::error::Error + Send + Sync + 'static;
 
-impl MapWriter for LbMaps {
-    fn apply(&mut self, op: &Op) -> Result<(), DatapathError> {
-        match op {
-            Op::SetBackend(id, b) => self.set_backend(*id, b),
-            Op::AddSourceRange(id, r) => self.add_source_range(*id, *r),
-            Op::SetServiceAddress(a) => self.set_service_address(*a),
-            Op::SetFrontend(fe, e) => self.set_frontend(fe, e),
-            Op::RemoveFrontend(fe) => self.remove_frontend(fe),
-            Op::RemoveServiceAddress(a) => self.remove_service_address(*a),
-            Op::RemoveSourceRange(id, r) => self.remove_source_range(*id, *r),
-            Op::RemoveBackend(id) => self.remove_backend(*id),
-            Op::PurgeUdpFlows(ids) => self.purge_udp_flows_to(ids).map(|_| ()),
+    fn apply(&mut self, op: &Op) -> Result<(), Self::Error>;
+
+    /// Applies `ops` in order and stops at the first failure, returning how
+    /// many were applied completely (an implementation may batch).
+    fn apply_all(&mut self, ops: &[Op]) -> Result<(), (usize, Self::Error)> {
+        for (i, op) in ops.iter().enumerate() {
+            self.apply(op).map_err(|e| (i, e))?;
         }
+        Ok(())
     }
+
+    /// Called after the operations of one sync: writes what the writer
+    /// deferred (the address filter).
+    fn flush(&mut self) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    /// Everything the maps hold about services.
+    fn read_table(&self) -> Result<MapTable, Self::Error>;
 }
 
-/// Backend ids: lowest free first, never 0, never beyond `capacity - 1`.
-#[derive(Clone, Debug)]
-pub struct IdAllocator {
-    free: BTreeSet<u32>,
-    next: u32,
-    capacity: u32,
+/// The desired state as the diff reads it: the whole table
+/// ([`DesiredTable`]) or the incremental one ([`ServiceTable`]).
+pub trait Desired {
+    fn frontend(&self, fe: &Frontend) -> Option<&FrontendEntry<BackendKey>>;
+    fn backend(&self, key: &BackendKey) -> Option<Backend>;
+    fn has_service_address(&self, addr: IpAddr) -> bool;
+    fn has_source_range(&self, id: u32, range: IpCidr) -> bool;
+    fn service_name(&self, id: u32) -> Option<&Arc<ServicePortName>>;
+    /// Every desired key (for a full plan).
+    fn keys(&self) -> KeyLists;
 }
 
-impl IdAllocator {
-    pub fn new(capacity: u32) -> Self {
+/// Keys a plan looks at, listed (a full plan lists a million of them:
+/// vectors, no hashing).
+#[derive(Clone, Debug, Default)]
+pub struct KeyLists {
+    pub frontends: Vec<Frontend>,
+    /// With the desired backend when the lister knows it (`None`: look it
+    /// up).
+    pub backends: Vec<(BackendKey, Option<Backend>)>,
+    pub service_addresses: Vec<IpAddr>,
+    pub source_ranges: Vec<(u32, IpCidr)>,
+    pub names: Vec<u32>,
+}
+
+impl KeyLists {
+    fn of(dirty: &Dirty) -> Self {
         Self {
-            free: BTreeSet::new(),
-            next: 1,
-            capacity,
-        }
-    }
-
-    pub fn allocate(&mut self) -> Option<BackendId> {
-        if let Some(id) = self.free.pop_first() {
-            return BackendId::new(id);
-        }
-        if self.next >= self.capacity {
-            return None;
-        }
-        self.next += 1;
-        BackendId::new(self.next - 1)
-    }
-
-    pub fn release(&mut self, id: BackendId) {
-        self.free.insert(id.get());
-    }
-
-    /// Rebuilds the allocator around ids found in use (after a restart).
-    pub fn adopt(capacity: u32, in_use: impl IntoIterator<Item = BackendId>) -> Self {
-        let used: BTreeSet<u32> = in_use.into_iter().map(BackendId::get).collect();
-        let next = used.last().map_or(1, |m| m + 1);
-        Self {
-            free: (1..next).filter(|i| !used.contains(i)).collect(),
-            next,
-            capacity,
+            frontends: dirty.frontends.iter().copied().collect(),
+            backends: dirty.backends.iter().map(|k| (*k, None)).collect(),
+            service_addresses: dirty.service_addresses.iter().copied().collect(),
+            source_ranges: dirty.source_ranges.iter().copied().collect(),
+            names: dirty.names.iter().copied().collect(),
         }
     }
 }
 
-/// What the maps hold (as far as this process wrote them) and how to move
-/// them to a desired table.
-#[derive(Clone, Debug)]
-pub struct Programmer {
-    ids: IdAllocator,
-    backend_ids: BTreeMap<BackendKey, BackendId>,
-    backends: BTreeMap<BackendKey, Backend>,
-    frontends: BTreeMap<Frontend, FrontendEntry>,
-    service_addresses: BTreeSet<Ipv4Addr>,
-    source_ranges: BTreeSet<(u32, Ipv4Cidr)>,
+impl Desired for DesiredTable {
+    fn frontend(&self, fe: &Frontend) -> Option<&FrontendEntry<BackendKey>> {
+        self.frontends.get(fe)
+    }
+    fn backend(&self, key: &BackendKey) -> Option<Backend> {
+        self.backends.get(key).copied()
+    }
+    fn has_service_address(&self, addr: IpAddr) -> bool {
+        self.service_addresses.contains(&addr)
+    }
+    fn has_source_range(&self, id: u32, range: IpCidr) -> bool {
+        self.source_ranges.contains(&(id, range))
+    }
+    fn service_name(&self, id: u32) -> Option<&Arc<ServicePortName>> {
+        self.service_names.get(&id)
+    }
+    fn keys(&self) -> KeyLists {
+        KeyLists {
+            frontends: self.frontends.keys().copied().collect(),
+            backends: self.backends.iter().map(|(k, b)| (*k, Some(*b))).collect(),
+            service_addresses: self.service_addresses.iter().copied().collect(),
+            source_ranges: self.source_ranges.iter().copied().collect(),
+            names: self.service_names.keys().copied().collect(),
+        }
+    }
+}
+
+impl Desired for ServiceTable {
+    fn frontend(&self, fe: &Frontend) -> Option<&FrontendEntry<BackendKey>> {
+        ServiceTable::frontend(self, fe)
+    }
+    fn backend(&self, key: &BackendKey) -> Option<Backend> {
+        ServiceTable::backend(self, key)
+    }
+    fn has_service_address(&self, addr: IpAddr) -> bool {
+        ServiceTable::has_service_address(self, addr)
+    }
+    fn has_source_range(&self, id: u32, range: IpCidr) -> bool {
+        ServiceTable::has_source_range(self, id, range)
+    }
+    fn service_name(&self, id: u32) -> Option<&Arc<ServicePortName>> {
+        ServiceTable::name(self, id)
+    }
+    fn keys(&self) -> KeyLists {
+        KeyLists {
+            frontends: self.frontend_keys().copied().collect(),
+            backends: self.backends().map(|(k, b)| (*k, Some(b))).collect(),
+            service_addresses: self.service_address_keys().copied().collect(),
+            source_ranges: self.source_range_keys().copied().collect(),
+            names: self.port_ids().collect(),
+        }
+    }
+}
+
+/// A plan's operations, by phase: every prefix of their concatenation is
+/// safe to apply.
+#[derive(Default)]
+struct Plan {
+    names: Vec<Op>,
+    set_backends: Vec<Op>,
+    adds: Vec<Op>,
+    set_frontends: Vec<Op>,
+    removals: Vec<Op>,
+    remove_backends: Vec<Op>,
+    remove_names: Vec<Op>,
+    purged: Vec<(IpAddr, u16)>,
+    /// The backends map has no free id left.
+    no_ids_left: bool,
+}
+
+impl Plan {
+    fn into_ops(mut self) -> Vec<Op> {
+        let phases = [
+            self.names,
+            self.set_backends,
+            self.adds,
+            self.set_frontends,
+            self.removals,
+            self.remove_backends,
+            self.remove_names,
+        ];
+        let mut ops = Vec::with_capacity(phases.iter().map(Vec::len).sum::<usize>() + 1);
+        for mut phase in phases {
+            // Each family's maps are written in runs of their own: within a
+            // phase (whose operations do not depend on each other), IPv4
+            // first, then IPv6 (a stable sort keeps each family's order).
+            phase.sort_by_key(Op::family);
+            ops.extend(phase);
+        }
+        if !self.purged.is_empty() {
+            self.purged.sort();
+            self.purged.dedup();
+            ops.push(Op::PurgeUdpFlows(self.purged));
+        }
+        ops
+    }
 }
 
 /// Counts of one plan, for logs and metrics.
@@ -117,200 +248,595 @@ pub struct PlanSummary {
     pub frontends_removed: usize,
     pub backends_set: usize,
     pub backends_removed: usize,
-    /// Frontends skipped because a backend id could not be allocated.
+    /// Frontends written without some backends: no backend id was free
+    /// (the backends map is full).
     pub skipped: usize,
 }
 
+impl PlanSummary {
+    pub fn add(&mut self, other: &PlanSummary) {
+        self.ops += other.ops;
+        self.frontends_set += other.frontends_set;
+        self.frontends_removed += other.frontends_removed;
+        self.backends_set += other.backends_set;
+        self.backends_removed += other.backends_removed;
+        self.skipped += other.skipped;
+    }
+}
+
+/// A frontend written without some of its backends (no id was free).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Unprogrammable {
+    pub frontend: Frontend,
+    pub service_id: u32,
+}
+
+/// What the maps hold, as far as this process knows, and how to move them
+/// to a desired table.
+#[derive(Clone, Debug)]
+pub struct Programmer {
+    ids: IdAllocator,
+    /// The id of each backend key (programmed, or allocated by a plan).
+    backend_ids: HashMap<BackendKey, BackendId>,
+    /// Programmed backends, by id.
+    backends: Vec<Option<Backend>>,
+    /// How many programmed frontend slots name each id.
+    refs: Vec<u32>,
+    /// Ids allocated by a plan whose backend is not written yet (by id).
+    pending: Vec<bool>,
+    /// Programmed backends to remove once no frontend names them.
+    deferred: BTreeSet<BackendId>,
+    frontends: HashMap<Frontend, FrontendEntry>,
+    service_addresses: HashSet<IpAddr>,
+    source_ranges: HashSet<(u32, IpCidr)>,
+    names: HashMap<u32, Arc<ServicePortName>>,
+    strays: BTreeSet<StraySlot>,
+    /// Frontends the maps hold incompletely, with the slot counts their
+    /// slot 0 claims: rewritten (or removed) by the next plan.
+    damaged: HashMap<Frontend, SlotCounts>,
+    /// Services-map entries of the frontends (slot 0 and slots, per set).
+    frontend_entries: usize,
+    /// Frontends the last plan could not write.
+    unprogrammable: Vec<Unprogrammable>,
+    /// Frontends the next plan looks at whatever is dirty (written without
+    /// some backends for want of ids).
+    retry: HashSet<Frontend>,
+}
+
 impl Programmer {
+    /// Empty maps; backend ids `1..backend_capacity`.
     pub fn new(backend_capacity: u32) -> Self {
         Self {
-            ids: IdAllocator::new(backend_capacity),
-            backend_ids: BTreeMap::new(),
-            backends: BTreeMap::new(),
-            frontends: BTreeMap::new(),
-            service_addresses: BTreeSet::new(),
-            source_ranges: BTreeSet::new(),
+            ids: IdAllocator::new(1, backend_capacity),
+            backend_ids: HashMap::new(),
+            backends: Vec::new(),
+            refs: Vec::new(),
+            pending: Vec::new(),
+            deferred: BTreeSet::new(),
+            frontends: HashMap::new(),
+            service_addresses: HashSet::new(),
+            source_ranges: HashSet::new(),
+            names: HashMap::new(),
+            strays: BTreeSet::new(),
+            damaged: HashMap::new(),
+            frontend_entries: 0,
+            unprogrammable: Vec::new(),
+            retry: HashSet::new(),
         }
     }
 
     /// Takes what the maps already hold as the current table (a restarted
     /// agent): the first plan then only changes what really differs, and
     /// removes nothing that is still desired.
-    pub fn adopt(backend_capacity: u32, table: &crate::dataplane::MapTable) -> Self {
-        let key = |b: &Backend| BackendKey {
-            addr: b.addr,
-            port: b.port,
-            proto: b.proto,
-        };
-        Self {
-            ids: IdAllocator::adopt(backend_capacity, table.backends.iter().map(|(id, _)| *id)),
-            backend_ids: table.backends.iter().map(|(id, b)| (key(b), *id)).collect(),
-            backends: table.backends.iter().map(|(_, b)| (key(b), *b)).collect(),
-            frontends: table.frontends.iter().cloned().collect(),
-            service_addresses: table.service_addresses.iter().copied().collect(),
-            source_ranges: table.source_ranges.iter().copied().collect(),
-        }
+    pub fn adopt(backend_capacity: u32, table: &MapTable) -> Self {
+        let mut p = Self::new(backend_capacity);
+        p.reset(table);
+        p
     }
 
-    /// The id a backend has in the maps.
+    /// Replaces the mirror with what the maps really hold (after a failed
+    /// write, or to repair what changed behind the agent's back); returns
+    /// how many entries differed from what the mirror said. Follow it with
+    /// a full plan.
+    pub fn reset(&mut self, table: &MapTable) -> usize {
+        let drift = self.drift(table);
+        self.reset_to(table);
+        drift
+    }
+
+    /// As [`Programmer::reset`], without counting.
+    fn reset_to(&mut self, table: &MapTable) {
+        let capacity = self.ids.capacity();
+        let mut backends: Vec<Option<Backend>> = Vec::new();
+        let mut backend_ids = HashMap::new();
+        for (id, b) in &table.backends {
+            if id.get() >= capacity {
+                continue;
+            }
+            slot(&mut backends, *id).replace(*b);
+            // The lowest id is a key's own; others are duplicates to remove.
+            backend_ids.entry(b.key()).or_insert(*id);
+        }
+        let mut refs: Vec<u32> = Vec::new();
+        for (_, e) in &table.frontends {
+            for id in e.all_backends() {
+                *slot(&mut refs, *id) += 1;
+            }
+        }
+        let referenced = refs
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| **n > 0)
+            .map(|(i, _)| i as u32);
+        let programmed = table.backends.iter().map(|(id, _)| id.get());
+        self.ids = IdAllocator::adopt(1, capacity, programmed.chain(referenced));
+        self.backend_ids = backend_ids;
+        self.backends = backends;
+        self.refs = refs;
+        self.pending.clear();
+        self.deferred.clear();
+        self.frontends = table.frontends.iter().cloned().collect();
+        self.frontend_entries = self.frontends.values().map(entries_of).sum();
+        self.service_addresses = table.service_addresses.iter().copied().collect();
+        self.source_ranges = table.source_ranges.iter().copied().collect();
+        self.names = table
+            .service_names
+            .iter()
+            .map(|(id, n)| (*id, Arc::new(n.clone())))
+            .collect();
+        self.strays = table.stray_slots.iter().copied().collect();
+        self.damaged = table.damaged.iter().copied().collect();
+    }
+
+    /// How many entries of `table` differ from the mirror.
+    pub fn drift(&self, table: &MapTable) -> usize {
+        // Entries of `table` the mirror holds alike, and the rest on either
+        // side: no temporary index of a million entries.
+        let mut n = table.stray_slots.len() + table.damaged.len();
+        let same = table
+            .frontends
+            .iter()
+            .filter(|(f, e)| self.frontends.get(f) == Some(e))
+            .count();
+        n += (table.frontends.len() - same) + (self.frontends.len() - same);
+        let same = table
+            .backends
+            .iter()
+            .filter(|(id, b)| self.backend(*id) == Some(*b))
+            .count();
+        n += (table.backends.len() - same) + (self.programmed_ids().count() - same);
+        let same = table
+            .service_addresses
+            .iter()
+            .filter(|a| self.service_addresses.contains(a))
+            .count();
+        n += (table.service_addresses.len() - same) + (self.service_addresses.len() - same);
+        let same = table
+            .source_ranges
+            .iter()
+            .filter(|r| self.source_ranges.contains(r))
+            .count();
+        n += (table.source_ranges.len() - same) + (self.source_ranges.len() - same);
+        let same = table
+            .service_names
+            .iter()
+            .filter(|(id, nm)| self.names.get(id).is_some_and(|n| **n == *nm))
+            .count();
+        n += (table.service_names.len() - same) + (self.names.len() - same);
+        n
+    }
+
+    /// The name the mirror holds for a service id.
+    pub fn service_name(&self, id: u32) -> Option<&ServicePortName> {
+        self.names.get(&id).map(|n| &**n)
+    }
+
+    /// The id a backend has in the maps (or was given by the last plan).
     pub fn backend_id(&self, key: &BackendKey) -> Option<BackendId> {
         self.backend_ids.get(key).copied()
     }
 
-    /// The ordered operations that turn the current table into `desired`;
-    /// the programmer then considers them done.
-    pub fn plan(&mut self, desired: &DesiredTable) -> (Vec<Op>, PlanSummary) {
-        let mut ops = Vec::new();
-        let mut summary = PlanSummary::default();
-        // UDP flows pinned to an endpoint that stops serving (or goes) are
-        // cleared, as kube-proxy does, so that e.g. DNS clients move on.
-        let mut purged = Vec::new();
+    fn backend(&self, id: BackendId) -> Option<Backend> {
+        self.backends.get(id.get() as usize).copied().flatten()
+    }
 
-        // 1. Backends: new ones get ids; changed ones (e.g. now terminating)
-        //    are rewritten in place.
-        for (key, backend) in &desired.backends {
-            let id = match self.backend_ids.get(key) {
-                Some(id) => *id,
-                None => match self.ids.allocate() {
-                    Some(id) => {
-                        self.backend_ids.insert(*key, id);
-                        id
-                    }
-                    None => continue, // frontends using it are skipped below
-                },
-            };
-            if self.backends.get(key) != Some(backend) {
-                if key.proto == crate::net::Protocol::Udp
-                    && !backend.serving
-                    && self.backends.get(key).is_some_and(|old| old.serving)
-                {
-                    purged.push(id);
+    fn refs(&self, id: BackendId) -> u32 {
+        self.refs.get(id.get() as usize).copied().unwrap_or(0)
+    }
+
+    fn programmed_ids(&self) -> impl Iterator<Item = BackendId> + '_ {
+        self.backends
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.is_some())
+            .filter_map(|(i, _)| BackendId::new(i as u32))
+    }
+
+    /// How many frontends the mirror holds.
+    pub fn frontend_count(&self) -> usize {
+        self.frontends.len()
+    }
+
+    /// How many backends the mirror holds.
+    pub fn backend_count(&self) -> usize {
+        self.ids.used()
+    }
+
+    /// Entries of the services map the mirror accounts for (a frontend and
+    /// its slots per set, and one per ClusterIP): its occupancy, without
+    /// walking the map.
+    pub fn service_entries(&self) -> usize {
+        self.frontend_entries + self.service_addresses.len() + self.strays.len()
+    }
+
+    /// The service ids the mirror names.
+    pub fn service_names(&self) -> impl Iterator<Item = (u32, &ServicePortName)> {
+        self.names.iter().map(|(id, n)| (*id, &**n))
+    }
+
+    /// Frontends the last plan wrote without some of their backends (no
+    /// backend id was left for them).
+    pub fn unprogrammable(&self) -> &[Unprogrammable] {
+        &self.unprogrammable
+    }
+
+    /// Whether the next plan has work of its own (frontends to complete).
+    pub fn has_retries(&self) -> bool {
+        !self.retry.is_empty()
+    }
+
+    /// The ordered operations that bring the keys in `dirty` (every key if
+    /// `dirty.all`) to `desired`. Only backend ids are taken here; the
+    /// mirror follows [`Programmer::applied`].
+    pub fn plan(&mut self, desired: &impl Desired, dirty: &Dirty) -> (Vec<Op>, PlanSummary) {
+        let keys = if dirty.all {
+            // What is desired, and what is programmed but not desired.
+            let mut k = desired.keys();
+            k.frontends
+                .extend(self.frontends.keys().filter(|f| desired.frontend(f).is_none()));
+            k.service_addresses.extend(
+                self.service_addresses
+                    .iter()
+                    .filter(|a| !desired.has_service_address(**a)),
+            );
+            k.source_ranges.extend(
+                self.source_ranges
+                    .iter()
+                    .filter(|(id, r)| !desired.has_source_range(*id, *r)),
+            );
+            k.names.extend(
+                self.names
+                    .keys()
+                    .filter(|id| desired.service_name(**id).is_none()),
+            );
+            // Programmed backends that are not desired: the scan of
+            // programmed ids below.
+            k
+        } else {
+            let mut k = KeyLists::of(dirty);
+            k.frontends
+                .extend(self.retry.iter().filter(|f| !dirty.frontends.contains(*f)));
+            k
+        };
+        self.retry.clear();
+        self.unprogrammable.clear();
+        let mut summary = PlanSummary::default();
+        let mut plan = Plan::default();
+
+        for id in &keys.names {
+            match (desired.service_name(*id), self.names.get(id)) {
+                (Some(want), have) if have != Some(want) => {
+                    plan.names.push(Op::SetServiceName(*id, want.clone()))
                 }
-                self.backends.insert(*key, *backend);
-                ops.push(Op::SetBackend(id, *backend));
-                summary.backends_set += 1;
+                (None, Some(_)) => plan.remove_names.push(Op::RemoveServiceName(*id)),
+                _ => {}
             }
         }
-        // 2. Source ranges and service addresses before the frontends that
-        //    rely on them.
-        for r in desired.source_ranges.difference(&self.source_ranges) {
-            ops.push(Op::AddSourceRange(r.0, r.1));
+        // Backends: new ones get ids; changed ones (e.g. now terminating)
+        // are rewritten in place.
+        if dirty.all {
+            self.backend_ids
+                .reserve(keys.backends.len().saturating_sub(self.backend_ids.len()));
         }
-        for a in desired.service_addresses.difference(&self.service_addresses) {
-            ops.push(Op::SetServiceAddress(*a));
+        plan.set_backends.reserve(keys.backends.len());
+        for (key, known) in &keys.backends {
+            if let Some(want) = known.or_else(|| desired.backend(key)) {
+                self.plan_backend(key, want, &mut plan, &mut summary);
+            }
         }
-        // 3. Frontends, created or changed.
-        let mut frontends = BTreeMap::new();
-        for (fe, entry) in &desired.frontends {
-            let Some(entry) = self.resolve(entry) else {
-                summary.skipped += 1;
+        for r in &keys.source_ranges {
+            if desired.has_source_range(r.0, r.1) && !self.source_ranges.contains(r) {
+                plan.adds.push(Op::AddSourceRange(r.0, r.1));
+            }
+        }
+        for a in &keys.service_addresses {
+            if desired.has_service_address(*a) && !self.service_addresses.contains(a) {
+                plan.adds.push(Op::SetServiceAddress(*a));
+            }
+        }
+        // Backends that may go: no longer desired (or duplicates, or
+        // waiting for frontends to stop naming them). They go once no
+        // frontend slot names them after this plan's frontend writes.
+        let mut candidates: BTreeSet<BackendId> = std::mem::take(&mut self.deferred);
+        if !dirty.all {
+            for (key, _) in &keys.backends {
+                if desired.backend(key).is_none()
+                    && let Some(id) = self.backend_ids.get(key)
+                {
+                    candidates.insert(*id);
+                }
+            }
+        } else {
+            for id in self.programmed_ids() {
+                let b = self.backend(id).expect("programmed");
+                if self.backend_ids.get(&b.key()) != Some(&id) || desired.backend(&b.key()).is_none() {
+                    candidates.insert(id);
+                }
+            }
+        }
+        // Frontends, created, changed or removed.
+        let mut refs_delta: HashMap<BackendId, i64> = HashMap::new();
+        let mut count_refs = |entry: &FrontendEntry, by: i64| {
+            if !candidates.is_empty() {
+                for id in entry.all_backends().filter(|id| candidates.contains(id)) {
+                    *refs_delta.entry(*id).or_default() += by;
+                }
+            }
+        };
+        plan.set_frontends.reserve(keys.frontends.len());
+        for fe in &keys.frontends {
+            let want = desired.frontend(fe).map(|entry| {
+                let mut unresolved = false;
+                // What has no id is left out (the rest is served) and
+                // retried by the next plan: the ids of backends this plan
+                // removes are free then.
+                let entry = entry.filter_map_backends(|k| {
+                    let id = self.backend_ids.get(k).copied().or_else(|| {
+                        // A backend no dirty key named (its id could not be
+                        // allocated before): try now.
+                        let want = desired.backend(k)?;
+                        self.plan_backend(k, want, &mut plan, &mut summary);
+                        self.backend_ids.get(k).copied()
+                    });
+                    unresolved |= id.is_none();
+                    id
+                });
+                if unresolved {
+                    self.unprogrammable.push(Unprogrammable {
+                        frontend: *fe,
+                        service_id: entry.service_id,
+                    });
+                    self.retry.insert(*fe);
+                    summary.skipped += 1;
+                }
+                entry
+            });
+            let have = self.frontends.get(fe);
+            // A damaged frontend is rewritten whatever it looks like, and
+            // its stale slots are those its slot 0 claims.
+            let damaged = self.damaged.get(fe).copied();
+            let previous = damaged.or(have.map(SlotCounts::of));
+            match (want, have) {
+                (Some(want), have) if have != Some(&want) || damaged.is_some() => {
+                    if let Some(h) = have {
+                        count_refs(h, -1);
+                    }
+                    count_refs(&want, 1);
+                    plan.set_frontends.push(Op::SetFrontend {
+                        frontend: *fe,
+                        previous,
+                        entry: Box::new(want),
+                    });
+                    summary.frontends_set += 1;
+                }
+                (None, Some(h)) => {
+                    count_refs(h, -1);
+                    plan.removals.push(Op::RemoveFrontend {
+                        frontend: *fe,
+                        previous: previous.unwrap_or(SlotCounts::of(h)),
+                    });
+                    summary.frontends_removed += 1;
+                }
+                _ => {}
+            }
+        }
+        for a in &keys.service_addresses {
+            if !desired.has_service_address(*a) && self.service_addresses.contains(a) {
+                plan.removals.push(Op::RemoveServiceAddress(*a));
+            }
+        }
+        for r in &keys.source_ranges {
+            if !desired.has_source_range(r.0, r.1) && self.source_ranges.contains(r) {
+                plan.removals.push(Op::RemoveSourceRange(r.0, r.1));
+            }
+        }
+        plan.removals
+            .extend(self.strays.iter().map(|s| Op::RemoveStraySlot(*s)));
+        for id in candidates {
+            let still = self.refs(id) as i64 + refs_delta.get(&id).copied().unwrap_or(0);
+            if still > 0 {
+                self.deferred.insert(id);
                 continue;
-            };
-            if self.frontends.get(fe) != Some(&entry) {
-                ops.push(Op::SetFrontend(*fe, entry.clone()));
-                summary.frontends_set += 1;
             }
-            frontends.insert(*fe, entry);
-        }
-        // 4. Removals, in reverse order of dependence.
-        for fe in self.frontends.keys().filter(|fe| !frontends.contains_key(fe)) {
-            ops.push(Op::RemoveFrontend(*fe));
-            summary.frontends_removed += 1;
-        }
-        self.frontends = frontends;
-        for a in self.service_addresses.difference(&desired.service_addresses) {
-            ops.push(Op::RemoveServiceAddress(*a));
-        }
-        for r in self.source_ranges.difference(&desired.source_ranges) {
-            ops.push(Op::RemoveSourceRange(r.0, r.1));
-        }
-        self.service_addresses = desired.service_addresses.clone();
-        self.source_ranges = desired.source_ranges.clone();
-        let gone: Vec<BackendKey> = self
-            .backend_ids
-            .keys()
-            .filter(|k| !desired.backends.contains_key(k))
-            .copied()
-            .collect();
-        for key in gone {
-            let id = self.backend_ids.remove(&key).expect("listed above");
-            self.backends.remove(&key);
-            ops.push(Op::RemoveBackend(id));
-            self.ids.release(id);
-            summary.backends_removed += 1;
-            if key.proto == crate::net::Protocol::Udp {
-                purged.push(id);
+            match self.backend(id) {
+                Some(b) => {
+                    plan.remove_backends.push(Op::RemoveBackend(id, b.addr));
+                    summary.backends_removed += 1;
+                    if b.proto == Protocol::Udp {
+                        plan.purged.push((b.addr, b.port));
+                    }
+                }
+                None => {
+                    // Allocated by a plan, never written: just forget it.
+                    self.forget_id(id);
+                }
             }
         }
-        if !purged.is_empty() {
-            ops.push(Op::PurgeUdpFlows(purged));
-        }
+        let ops = plan.into_ops();
         summary.ops = ops.len();
         (ops, summary)
     }
 
-    fn resolve(&self, entry: &FrontendEntry<BackendKey>) -> Option<FrontendEntry> {
-        let set = |s: &BackendSet<BackendKey>| -> Option<BackendSet> {
-            Some(BackendSet {
-                backends: s
-                    .backends
-                    .iter()
-                    .map(|k| self.backend_ids.get(k).copied())
-                    .collect::<Option<Vec<_>>>()?,
-                when_empty: s.when_empty,
-            })
+    /// Gives `key` an id if it has none and plans its write if the maps do
+    /// not hold it as `want`.
+    fn plan_backend(&mut self, key: &BackendKey, want: Backend, plan: &mut Plan, summary: &mut PlanSummary) {
+        let id = match self.backend_ids.entry(*key) {
+            std::collections::hash_map::Entry::Occupied(e) => *e.get(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                if plan.no_ids_left {
+                    return;
+                }
+                let Some(id) = self.ids.allocate().and_then(BackendId::new) else {
+                    plan.no_ids_left = true;
+                    return;
+                };
+                e.insert(id);
+                *slot(&mut self.pending, id) = true;
+                id
+            }
         };
-        Some(FrontendEntry {
-            service_id: entry.service_id,
-            kind: entry.kind,
-            backends: set(&entry.backends)?,
-            internal_backends: match &entry.internal_backends {
-                Some(s) => Some(set(s)?),
-                None => None,
-            },
-            masquerade: entry.masquerade,
-            affinity_timeout: entry.affinity_timeout,
-            source_ranges: entry.source_ranges,
-            external_local: entry.external_local,
-            internal_local: entry.internal_local,
-        })
+        let have = self.backend(id);
+        if have == Some(want) {
+            return;
+        }
+        // A UDP endpoint that stops serving: its flows move on.
+        if want.proto == Protocol::Udp && !want.serving && have.is_some_and(|h| h.serving) {
+            plan.purged.push((want.addr, want.port));
+        }
+        plan.set_backends.push(Op::SetBackend(id, want));
+        summary.backends_set += 1;
     }
 
-    /// Forgets that an operation was done (it failed), so the next plan
-    /// tries it again. Frontends and backends are the ops that can fail on
-    /// bad input or full maps.
-    pub fn forget(&mut self, op: &Op) {
+    fn forget_id(&mut self, id: BackendId) {
+        *slot(&mut self.pending, id) = false;
+        self.backend_ids.retain(|_, v| *v != id);
+        if self.refs(id) == 0 {
+            self.ids.release(id.get());
+        }
+    }
+
+    /// Records that `op` is in the maps.
+    pub fn applied(&mut self, op: &Op) {
         match op {
-            Op::SetFrontend(fe, _) => {
-                self.frontends.remove(fe);
+            Op::SetServiceName(id, name) => {
+                self.names.insert(*id, name.clone());
             }
-            Op::SetBackend(id, _) => {
-                if let Some(key) = self.backend_ids.iter().find(|(_, v)| *v == id).map(|(k, _)| *k) {
-                    self.backends.remove(&key);
-                }
-            }
-            Op::SetServiceAddress(a) => {
-                self.service_addresses.remove(a);
+            Op::SetBackend(id, b) => {
+                slot(&mut self.backends, *id).replace(*b);
+                *slot(&mut self.pending, *id) = false;
             }
             Op::AddSourceRange(id, r) => {
+                self.source_ranges.insert((*id, *r));
+            }
+            Op::SetServiceAddress(a) => {
+                self.service_addresses.insert(*a);
+            }
+            Op::SetFrontend { frontend, entry, .. } => {
+                self.damaged.remove(frontend);
+                for id in entry.all_backends() {
+                    *slot(&mut self.refs, *id) += 1;
+                }
+                self.frontend_entries += entries_of(entry);
+                if let Some(old) = self.frontends.insert(*frontend, (**entry).clone()) {
+                    self.frontend_entries -= entries_of(&old);
+                    self.unref(&old);
+                }
+            }
+            Op::RemoveFrontend { frontend, .. } => {
+                self.damaged.remove(frontend);
+                if let Some(old) = self.frontends.remove(frontend) {
+                    self.frontend_entries -= entries_of(&old);
+                    self.unref(&old);
+                }
+            }
+            Op::RemoveServiceAddress(a) => {
+                self.service_addresses.remove(a);
+            }
+            Op::RemoveSourceRange(id, r) => {
                 self.source_ranges.remove(&(*id, *r));
             }
-            _ => {}
+            Op::RemoveStraySlot(s) => {
+                self.strays.remove(s);
+            }
+            Op::RemoveBackend(id, _) => {
+                if let Some(b) = slot(&mut self.backends, *id).take()
+                    && self.backend_ids.get(&b.key()) == Some(id)
+                {
+                    self.backend_ids.remove(&b.key());
+                }
+                self.deferred.remove(id);
+                if self.refs(*id) == 0 {
+                    self.ids.release(id.get());
+                }
+            }
+            Op::RemoveServiceName(id) => {
+                self.names.remove(id);
+            }
+            Op::PurgeUdpFlows(_) => {}
         }
     }
 
-    /// Plans and applies; stops at the first failing operation.
-    pub fn sync(
-        &mut self,
-        writer: &mut impl MapWriter,
-        desired: &DesiredTable,
-    ) -> Result<PlanSummary, DatapathError> {
-        let (ops, summary) = self.plan(desired);
-        for op in &ops {
-            writer.apply(op)?;
+    /// Drops the slot references of a replaced or removed entry; an id that
+    /// nothing owns any more (it was only referenced) goes back to the free
+    /// list.
+    fn unref(&mut self, old: &FrontendEntry) {
+        for id in old.all_backends() {
+            let r = slot(&mut self.refs, *id);
+            *r = r.saturating_sub(1);
+            if *r == 0
+                && self.backend(*id).is_none()
+                && !self.pending.get(id.get() as usize).copied().unwrap_or(false)
+            {
+                let owned = self.backend_ids.values().any(|v| v == id);
+                if !owned {
+                    self.ids.release(id.get());
+                }
+            }
         }
+    }
+
+    /// Applies `ops` through `writer` and records the ones done; on failure
+    /// returns the index of the op that failed and its error (everything
+    /// before it is done and recorded).
+    pub fn execute<W: MapWriter>(&mut self, writer: &mut W, ops: &[Op]) -> Result<(), (usize, W::Error)> {
+        let result = writer.apply_all(ops);
+        let done = match &result {
+            Ok(()) => ops.len(),
+            Err((n, _)) => *n,
+        };
+        for op in &ops[..done] {
+            self.applied(op);
+        }
+        result
+    }
+
+    /// Plans every key against a whole table and applies it: what tests and
+    /// benchmarks use to program a table directly. Stops at the first
+    /// failure.
+    pub fn sync<W: MapWriter>(
+        &mut self,
+        writer: &mut W,
+        desired: &DesiredTable,
+    ) -> Result<PlanSummary, W::Error> {
+        let (ops, summary) = self.plan(desired, &Dirty::all());
+        self.execute(writer, &ops).map_err(|(_, e)| e)?;
+        writer.flush()?;
         Ok(summary)
     }
+}
+
+/// Services-map entries of a frontend: slot 0 and the slots of each set.
+fn entries_of(e: &FrontendEntry) -> usize {
+    1 + e.backends.backends.len() + e.internal_backends.as_ref().map_or(0, |s| 1 + s.backends.len())
+}
+
+/// The element of a vector indexed by backend id, growing it as needed.
+fn slot<T: Default>(v: &mut Vec<T>, id: BackendId) -> &mut T {
+    let i = id.get() as usize;
+    if v.len() <= i {
+        v.resize_with(i + 1, T::default);
+    }
+    &mut v[i]
 }
 
 #[cfg(test)]
@@ -319,68 +845,12 @@ mod tests {
 
     use super::*;
     use crate::{
-        dataplane::{EmptyVerdict, FrontendKind},
         net::Protocol,
+        state::{
+            fake::FakeMaps,
+            table::{BackendSet, EmptyVerdict, FrontendKind},
+        },
     };
-
-    /// The maps as a fake: checks make-before-break after every operation.
-    #[derive(Default)]
-    struct FakeMaps {
-        backends: BTreeMap<BackendId, Backend>,
-        frontends: BTreeMap<Frontend, FrontendEntry>,
-        addresses: BTreeSet<Ipv4Addr>,
-        ranges: BTreeSet<(u32, Ipv4Cidr)>,
-        purged: Vec<BackendId>,
-    }
-
-    impl MapWriter for FakeMaps {
-        fn apply(&mut self, op: &Op) -> Result<(), DatapathError> {
-            match op {
-                Op::SetBackend(id, b) => {
-                    self.backends.insert(*id, *b);
-                }
-                Op::AddSourceRange(id, r) => {
-                    self.ranges.insert((*id, *r));
-                }
-                Op::SetServiceAddress(a) => {
-                    self.addresses.insert(*a);
-                }
-                Op::SetFrontend(f, e) => {
-                    self.frontends.insert(*f, e.clone());
-                }
-                Op::RemoveFrontend(f) => {
-                    self.frontends.remove(f);
-                }
-                Op::RemoveServiceAddress(a) => {
-                    self.addresses.remove(a);
-                }
-                Op::RemoveSourceRange(id, r) => {
-                    self.ranges.remove(&(*id, *r));
-                }
-                Op::RemoveBackend(id) => {
-                    self.backends.remove(id);
-                }
-                Op::PurgeUdpFlows(ids) => self.purged.extend(ids),
-            }
-            // No packet may ever see a frontend pointing at a missing backend.
-            for (f, e) in &self.frontends {
-                let sets = std::iter::once(&e.backends).chain(e.internal_backends.as_ref());
-                for id in sets.flat_map(|s| &s.backends) {
-                    assert!(
-                        self.backends.contains_key(id),
-                        "{f:?} refers to missing backend {id:?} after {op:?}"
-                    );
-                }
-                if e.source_ranges {
-                    assert!(
-                        self.ranges.iter().any(|(sid, _)| *sid == e.service_id),
-                        "{f:?} ranges missing"
-                    );
-                }
-            }
-            Ok(())
-        }
-    }
 
     /// xorshift: deterministic pseudo-random tables without a dependency.
     struct Rng(u64);
@@ -398,7 +868,7 @@ mod tests {
 
     fn key(last: u8, proto: Protocol) -> BackendKey {
         BackendKey {
-            addr: Ipv4Addr::new(10, 0, 0, last),
+            addr: IpAddr::from([10, 0, 0, last]),
             port: 8080,
             proto,
         }
@@ -437,7 +907,7 @@ mod tests {
             if ranged {
                 t.source_ranges.insert((svc, "198.51.100.0/24".parse().unwrap()));
             }
-            let addr = Ipv4Addr::new(10, 96, 0, svc as u8);
+            let addr = IpAddr::from([10, 96, 0, svc as u8]);
             t.service_addresses.insert(addr);
             t.frontends.insert(
                 Frontend {
@@ -479,7 +949,13 @@ mod tests {
                     .iter()
                     .map(|id| {
                         let b = maps.backends[id];
-                        key(b.addr.octets()[3], b.proto)
+                        key(
+                            match b.addr {
+                                IpAddr::V4(a) => a.octets()[3],
+                                IpAddr::V6(a) => a.octets()[15],
+                            },
+                            b.proto,
+                        )
                     })
                     .collect();
                 assert_eq!(names, e.backends.backends, "round {round}");
@@ -488,17 +964,20 @@ mod tests {
             assert_eq!(maps.addresses, desired.service_addresses);
             assert_eq!(maps.ranges, desired.source_ranges);
             // A second plan of the same table changes nothing.
-            assert!(p.plan(&desired).0.is_empty(), "round {round}: not minimal");
+            assert!(
+                p.plan(&desired, &Dirty::all()).0.is_empty(),
+                "round {round}: not minimal"
+            );
         }
     }
 
     #[test]
     fn ids_are_not_reused_while_referenced_and_are_reused_after_release() {
-        let mut ids = IdAllocator::new(4);
+        let mut ids = IdAllocator::new(1, 4);
         let a = ids.allocate().unwrap();
         let b = ids.allocate().unwrap();
         let c = ids.allocate().unwrap();
-        assert_eq!([a.get(), b.get(), c.get()], [1, 2, 3]);
+        assert_eq!([a, b, c], [1, 2, 3]);
         assert!(ids.allocate().is_none(), "capacity 4 holds ids 1..=3");
         ids.release(b);
         assert_eq!(ids.allocate(), Some(b));
@@ -513,30 +992,125 @@ mod tests {
         t.backends.insert(k1, backend(k1, true));
         t.backends.insert(k2, backend(k2, true));
         p.sync(&mut maps, &t).unwrap();
-        let (id1, id2) = (p.backend_id(&k1).unwrap(), p.backend_id(&k2).unwrap());
         assert!(maps.purged.is_empty());
 
         t.backends.insert(k1, backend(k1, false)); // stops serving
         p.sync(&mut maps, &t).unwrap();
-        assert_eq!(maps.purged, [id1]);
+        assert_eq!(maps.purged, [(k1.addr, k1.port)]);
 
         t.backends.remove(&k2); // goes
         p.sync(&mut maps, &t).unwrap();
-        assert_eq!(maps.purged, [id1, id2]);
+        assert_eq!(maps.purged, [(k1.addr, k1.port), (k2.addr, k2.port)]);
     }
 
     #[test]
     fn tcp_backends_are_never_purged() {
         let mut p = Programmer::new(64);
+        let mut maps = FakeMaps::default();
         let k = key(1, Protocol::Tcp);
         let mut t = DesiredTable::default();
         t.backends.insert(k, backend(k, true));
-        p.plan(&t);
+        p.sync(&mut maps, &t).unwrap();
         t.backends.clear();
-        let (ops, _) = p.plan(&t);
+        let (ops, _) = p.plan(&t, &Dirty::all());
         assert!(
             !ops.iter().any(|op| matches!(op, Op::PurgeUdpFlows(_))),
             "{ops:?}"
         );
+    }
+
+    fn one_frontend(keys: &[BackendKey]) -> DesiredTable {
+        let mut t = DesiredTable::default();
+        for k in keys {
+            t.backends.insert(*k, backend(*k, true));
+        }
+        t.frontends.insert(
+            Frontend {
+                addr: IpAddr::from([10, 96, 0, 1]),
+                port: 80,
+                proto: Protocol::Tcp,
+            },
+            FrontendEntry {
+                service_id: 0,
+                kind: FrontendKind::ClusterIp,
+                backends: BackendSet {
+                    backends: keys.to_vec(),
+                    when_empty: EmptyVerdict::Reject,
+                },
+                internal_backends: None,
+                masquerade: false,
+                affinity_timeout: None,
+                source_ranges: false,
+                external_local: false,
+                internal_local: false,
+            },
+        );
+        t
+    }
+
+    #[test]
+    fn a_full_backends_map_programs_what_fits_and_converges_once_ids_are_free() {
+        // Ids 1..=2 only.
+        let mut p = Programmer::new(3);
+        let mut maps = FakeMaps::default();
+        let (a, b, c) = (
+            key(1, Protocol::Tcp),
+            key(2, Protocol::Tcp),
+            key(3, Protocol::Tcp),
+        );
+        let backends = |maps: &FakeMaps| -> Vec<BackendKey> {
+            let e = maps.frontends.values().next().unwrap();
+            e.backends
+                .backends
+                .iter()
+                .map(|id| maps.backends[id].key())
+                .collect()
+        };
+        p.sync(&mut maps, &one_frontend(&[a, b])).unwrap();
+        let summary = p.sync(&mut maps, &one_frontend(&[a, b, c])).unwrap();
+        assert_eq!(summary.skipped, 1);
+        assert_eq!(p.unprogrammable().len(), 1);
+        assert_eq!(backends(&maps), [a, b], "what has an id is served");
+        // c alone: a and b go first, which frees ids for the next plan.
+        let t = one_frontend(&[c]);
+        p.sync(&mut maps, &t).unwrap();
+        assert!(p.has_retries());
+        assert_eq!(maps.backends.len(), 0);
+        let (ops, summary) = p.plan(&t, &Dirty::default());
+        assert_eq!(summary.skipped, 0);
+        p.execute(&mut maps, &ops).unwrap();
+        assert_eq!(backends(&maps), [c]);
+        assert!(!p.has_retries());
+    }
+
+    #[test]
+    fn after_a_reset_the_plan_repairs_what_changed_behind_the_mirror() {
+        let mut p = Programmer::new(64);
+        let mut maps = FakeMaps::default();
+        let (a, b) = (key(1, Protocol::Tcp), key(2, Protocol::Tcp));
+        let t = one_frontend(&[a, b]);
+        p.sync(&mut maps, &t).unwrap();
+        // Someone deletes a backend the frontend names, and adds a stray
+        // backend and a duplicate of b.
+        let id_a = p.backend_id(&a).unwrap();
+        maps.backends.remove(&id_a);
+        let stray = BackendId::new(40).unwrap();
+        maps.backends.insert(stray, backend(key(9, Protocol::Tcp), true));
+        let dup = BackendId::new(41).unwrap();
+        maps.backends.insert(dup, backend(b, true));
+        maps.check = false;
+        let kernel = maps.read_table().unwrap();
+        let drift = p.reset(&kernel);
+        assert_eq!(drift, 3);
+        let (ops, _) = p.plan(&t, &Dirty::all());
+        p.execute(&mut maps, &ops).unwrap();
+        // The frontend names backends that are there again, and the id it
+        // named while its backend was gone was not reused meanwhile.
+        maps.check = true;
+        maps.check_invariants(&Op::PurgeUdpFlows(Vec::new()));
+        let resolved: BTreeMap<u32, BackendKey> =
+            maps.backends.iter().map(|(i, b)| (i.get(), b.key())).collect();
+        assert_eq!(resolved.len(), 2, "{resolved:?}");
+        assert!(p.plan(&t, &Dirty::all()).0.is_empty());
     }
 }

@@ -1,12 +1,21 @@
 //! The service table: what the datapath should hold, computed without IO.
 //!
+//! - [`table`]: the vocabulary (frontends, backends, backend sets, Service
+//!   port names) that `dataplane/` converts to the kernel ABI.
 //! - [`model`]: a Service port as kube-proxy sees it (already split per IP
 //!   family and port, endpoints resolved) and the node's view.
-//! - [`desired`]: the pure function from models to frontends and backend
-//!   sets, with kube-proxy's semantics.
-//! - [`diff`]: turns the current and the desired table into ordered map
-//!   operations (backends, slots, frontends; removals in reverse), with
-//!   backend ids from a free list.
+//! - [`desired`]: the pure function from a Service port to what it adds to
+//!   the table, with kube-proxy's semantics, and the whole table at once.
+//! - [`incremental`]: the table kept up to date port by port, with the
+//!   owner of every frontend and the claims on every backend.
+//! - [`diff`]: turns the desired table and what the maps hold into ordered
+//!   map operations (backends, slots, frontends; removals in reverse).
+//! - [`ids`]: service and backend ids from free lists.
 pub mod desired;
 pub mod diff;
+#[cfg(test)]
+pub mod fake;
+pub mod ids;
+pub mod incremental;
 pub mod model;
+pub mod table;

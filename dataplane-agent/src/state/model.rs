@@ -1,10 +1,13 @@
 //! Inputs of the desired-state computation.
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::{net::IpAddr, time::Duration};
 
-use crate::net::{Ipv4Cidr, Protocol};
+use super::table::ServicePortName;
+use crate::net::{IpCidr, IpFamily, Protocol};
 
-/// One port of one Service, for one IP family (IPv4), with its endpoints.
+/// One port of one Service, for one IP family, with its endpoints: every
+/// address and range below is of `family` (a dual-stack Service is one
+/// `ServicePort` per family, as kube-proxy runs one proxier per family).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
     pub namespace: String,
@@ -12,14 +15,15 @@ pub struct ServicePort {
     /// The port's name (may be empty).
     pub port_name: String,
     pub proto: Protocol,
+    pub family: IpFamily,
     pub port: u16,
-    pub cluster_ips: Vec<Ipv4Addr>,
+    pub cluster_ips: Vec<IpAddr>,
     pub node_port: Option<u16>,
-    pub external_ips: Vec<Ipv4Addr>,
+    pub external_ips: Vec<IpAddr>,
     /// LoadBalancer ingress IPs with ipMode VIP (or unset); ipMode Proxy
     /// ones are left out before this point.
-    pub load_balancer_ips: Vec<Ipv4Addr>,
-    pub load_balancer_source_ranges: Vec<Ipv4Cidr>,
+    pub load_balancer_ips: Vec<IpAddr>,
+    pub load_balancer_source_ranges: Vec<IpCidr>,
     /// externalTrafficPolicy: Local.
     pub external_policy_local: bool,
     /// internalTrafficPolicy: Local.
@@ -36,6 +40,17 @@ impl ServicePort {
         format!("{}/{}:{}", self.namespace, self.name, self.port_name)
     }
 
+    /// Its identity across syncs.
+    pub fn name(&self) -> ServicePortName {
+        ServicePortName {
+            namespace: self.namespace.clone(),
+            name: self.name.clone(),
+            port_name: self.port_name.clone(),
+            proto: self.proto,
+            family: self.family,
+        }
+    }
+
     /// kube-proxy's "externally accessible": a NodePort, an external IP or
     /// a LoadBalancer ingress IP.
     pub fn externally_accessible(&self) -> bool {
@@ -45,7 +60,7 @@ impl ServicePort {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Endpoint {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub ready: bool,
     pub serving: bool,
@@ -57,12 +72,22 @@ pub struct Endpoint {
     pub in_topology: bool,
 }
 
-/// What the node contributes.
+/// What the node contributes (addresses of both families; a Service port
+/// uses those of its own).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeContext {
     /// Addresses NodePorts are served on (from nodePortAddresses).
-    pub node_port_addresses: Vec<Ipv4Addr>,
+    pub node_port_addresses: Vec<IpAddr>,
     /// The node's own IPs (source ranges: a node inside a range lets the LB
-    /// IPs in as sources too).
-    pub node_ips: Vec<Ipv4Addr>,
+    /// IPs in as sources too). The node serves the families they have.
+    pub node_ips: Vec<IpAddr>,
+}
+
+impl NodeContext {
+    /// Whether the node serves `family` (has an IP of it): Service ports of
+    /// another family are not programmed, as kube-proxy runs no proxier for
+    /// a family the node lacks.
+    pub fn serves(&self, family: IpFamily) -> bool {
+        self.node_ips.iter().any(|ip| IpFamily::of(ip) == family)
+    }
 }

@@ -1,0 +1,190 @@
+//! The maps each IP family has for itself, and the one trait that tells the
+//! map layer how a family's addresses are stored ([`AbiAddr`]: `u32` for
+//! IPv4, [`Ip6`] for IPv6). Everything that writes or reads a family's maps
+//! is written once, generic over it; [`super::LbMaps`] holds one
+//! [`FamilyMaps`] per family and picks by the address at hand.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    os::fd::{AsFd as _, BorrowedFd},
+};
+
+use aya::maps::{Array, HashMap, IterableMap, LpmTrie, MapData};
+use dataplane_common::{
+    addr::{Addr, Ip6},
+    ct::{CtEntry, CtKey, ct_flags},
+    lb::{AffinityKey, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData},
+    names, proto,
+};
+
+use super::{DatapathError, batch};
+use crate::net::{IpFamily, ip6_from_words, ip6_words};
+
+/// An address as one family's maps store it (network order).
+pub trait AbiAddr: Addr + aya::Pod + Send + Sync + 'static {
+    const IP_FAMILY: IpFamily;
+    /// Bits of an address (a host prefix).
+    const BITS: u8;
+    const SERVICES: &'static str;
+    const BACKENDS: &'static str;
+    const AFFINITY: &'static str;
+    const SOURCE_RANGES: &'static str;
+    const CT: &'static str;
+
+    /// `None` when `ip` is of the other family.
+    fn from_ip(ip: IpAddr) -> Option<Self>;
+    fn to_ip(self) -> IpAddr;
+}
+
+impl AbiAddr for u32 {
+    const IP_FAMILY: IpFamily = IpFamily::V4;
+    const BITS: u8 = 32;
+    const SERVICES: &'static str = names::LB4_SERVICES;
+    const BACKENDS: &'static str = names::LB4_BACKENDS;
+    const AFFINITY: &'static str = names::LB4_AFFINITY;
+    const SOURCE_RANGES: &'static str = names::LB4_SOURCE_RANGES;
+    const CT: &'static str = names::CT4;
+
+    fn from_ip(ip: IpAddr) -> Option<Self> {
+        match ip {
+            IpAddr::V4(a) => Some(u32::from(a).to_be()),
+            IpAddr::V6(_) => None,
+        }
+    }
+    fn to_ip(self) -> IpAddr {
+        IpAddr::V4(Ipv4Addr::from(u32::from_be(self)))
+    }
+}
+
+impl AbiAddr for Ip6 {
+    const IP_FAMILY: IpFamily = IpFamily::V6;
+    const BITS: u8 = 128;
+    const SERVICES: &'static str = names::LB6_SERVICES;
+    const BACKENDS: &'static str = names::LB6_BACKENDS;
+    const AFFINITY: &'static str = names::LB6_AFFINITY;
+    const SOURCE_RANGES: &'static str = names::LB6_SOURCE_RANGES;
+    const CT: &'static str = names::CT6;
+
+    fn from_ip(ip: IpAddr) -> Option<Self> {
+        match ip {
+            IpAddr::V6(a) => Some(ip6_words(a)),
+            IpAddr::V4(_) => None,
+        }
+    }
+    fn to_ip(self) -> IpAddr {
+        IpAddr::V6(ip6_from_words(self))
+    }
+}
+
+/// `ip` in family `A`'s layout; callers dispatch on the family first, so a
+/// mismatch is a bug of the map layer.
+pub(super) fn abi<A: AbiAddr>(ip: IpAddr) -> A {
+    A::from_ip(ip).unwrap_or_else(|| panic!("{ip} reached the {} maps", A::IP_FAMILY))
+}
+
+type Map<K, V> = HashMap<MapData, K, V>;
+
+/// Conntrack entries as read: (key, entry).
+pub type CtEntries<A> = Vec<(CtKey<A>, CtEntry<A>)>;
+
+/// One family's maps: services (frontends and slots), backends, affinity,
+/// source ranges, conntrack.
+pub struct FamilyMaps<A: AbiAddr> {
+    pub(super) services: Map<LbServiceKey<A>, Lb4Service>,
+    pub(super) backends: Array<MapData, LbBackend<A>>,
+    pub(super) affinity: Map<AffinityKey<A>, Lb4AffinityValue>,
+    pub(super) source_ranges: LpmTrie<MapData, SourceRangeData<A>, u8>,
+    pub(super) ct: Map<CtKey<A>, CtEntry<A>>,
+    pub(super) ct_capacity: u32,
+    pub(super) affinity_capacity: u32,
+    pub(super) service_entries_capacity: u32,
+    /// Entries of the backends array: ids `1..` this.
+    pub(super) backends_capacity: u32,
+}
+
+impl<A: AbiAddr> FamilyMaps<A> {
+    pub(super) fn services_fd(&self) -> BorrowedFd<'_> {
+        IterableMap::<LbServiceKey<A>, Lb4Service>::map(&self.services)
+            .fd()
+            .as_fd()
+    }
+
+    pub(super) fn backends_fd(&self) -> BorrowedFd<'_> {
+        IterableMap::<u32, LbBackend<A>>::map(&self.backends).fd().as_fd()
+    }
+
+    pub(super) fn ct_fd(&self) -> BorrowedFd<'_> {
+        IterableMap::<CtKey<A>, _>::map(&self.ct).fd().as_fd()
+    }
+
+    fn affinity_fd(&self) -> BorrowedFd<'_> {
+        IterableMap::<AffinityKey<A>, _>::map(&self.affinity).fd().as_fd()
+    }
+
+    /// Every conntrack entry (both directions of every flow), read in
+    /// batches: O(live entries) in a few syscalls.
+    pub fn conntrack(&self) -> Result<CtEntries<A>, DatapathError> {
+        let mut out = Vec::new();
+        batch::for_each(self.ct_fd(), |k: &CtKey<A>, e: &CtEntry<A>| out.push((*k, *e)))
+            .map_err(|source| DatapathError::Batch { name: A::CT, source })?;
+        Ok(out)
+    }
+
+    /// Deletes the conntrack entries `stale` selects; returns how many.
+    pub fn purge_conntrack(
+        &mut self,
+        stale: impl Fn(&CtKey<A>, &CtEntry<A>) -> bool,
+    ) -> Result<usize, DatapathError> {
+        let victims: Vec<CtKey<A>> = self
+            .conntrack()?
+            .into_iter()
+            .filter(|(k, e)| stale(k, e))
+            .map(|(k, _)| k)
+            .collect();
+        // Entries the datapath expired meanwhile are skipped.
+        batch::delete(self.ct_fd(), &victims)
+            .map_err(|(_, source)| DatapathError::Batch { name: A::CT, source })?;
+        Ok(victims.len())
+    }
+
+    /// Deletes the UDP conntrack entries of flows translated to `backends`
+    /// (address, port in network order): every entry whose flow goes to
+    /// one of them, both directions.
+    pub fn purge_udp_flows_to(&mut self, backends: &[(A, u16)]) -> Result<usize, DatapathError> {
+        if backends.is_empty() {
+            return Ok(0);
+        }
+        let targets: std::collections::HashSet<(A, u16)> = backends.iter().copied().collect();
+        self.purge_conntrack(|k, e| {
+            k.proto == proto::UDP
+                && match e.role() {
+                    ct_flags::FWD_IN | ct_flags::FWD_OUT => targets.contains(&(e.nat_daddr, e.nat_dport)),
+                    _ => targets.contains(&(k.saddr, k.sport)),
+                }
+        })
+    }
+
+    /// Backend addresses some conntrack entry still translates to or from.
+    pub(super) fn addresses_in_use(&self) -> Result<std::collections::HashSet<IpAddr>, DatapathError> {
+        let mut in_use = std::collections::HashSet::new();
+        for (k, e) in self.conntrack()? {
+            match e.role() {
+                ct_flags::FWD_IN | ct_flags::FWD_OUT => in_use.insert(e.nat_daddr.to_ip()),
+                _ => in_use.insert(k.saddr.to_ip()),
+            };
+        }
+        Ok(in_use)
+    }
+
+    /// The ClientIP affinity entry of `client` for a service port.
+    pub fn affinity(&self, service_id: u32, client: A) -> Option<Lb4AffinityValue> {
+        self.affinity.get(&AffinityKey { client, service_id }, 0).ok()
+    }
+
+    /// (conntrack, affinity) entries, counted in batches.
+    pub(super) fn counts(&self) -> (usize, usize) {
+        let ct = batch::count::<CtKey<A>, CtEntry<A>>(self.ct_fd()).unwrap_or(0);
+        let affinity = batch::count::<AffinityKey<A>, Lb4AffinityValue>(self.affinity_fd()).unwrap_or(0);
+        (ct, affinity)
+    }
+}
