@@ -11,6 +11,13 @@ fn main() -> anyhow::Result<()> {
         .parent()
         .context("the agent crate must live inside the workspace")?
         .join("dataplane-ebpf");
+    // aya-build watches the kernel crate; the ABI crate it compiles in is
+    // ours to watch.
+    let common = manifest_dir
+        .parent()
+        .context("the agent crate must live inside the workspace")?
+        .join("dataplane-common");
+    println!("cargo:rerun-if-changed={}", common.display());
     let root_dir = root_dir
         .to_str()
         .context("workspace path is not UTF-8")?

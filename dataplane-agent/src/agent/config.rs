@@ -1,11 +1,14 @@
 //! Settings of `run`, from flags and an optional config file (flags win).
 //! Names follow kube-proxy's options where the meaning is the same.
 
-use std::{net::Ipv4Addr, path::PathBuf, time::Duration};
+use std::{net::IpAddr, path::PathBuf, time::Duration};
 
 use serde::Deserialize;
 
-use crate::net::Ipv4Cidr;
+use crate::{
+    dataplane::XdpMode,
+    net::{IpCidr, IpFamily},
+};
 
 /// Where Services and EndpointSlices come from.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -36,13 +39,15 @@ impl std::str::FromStr for Source {
 /// kube-proxy's nodePortAddresses.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub enum NodePortAddresses {
-    /// Every local IPv4 address of the node except loopback.
+    /// Every local address of the node except loopback and IPv6 link-local
+    /// ones, both families.
     #[default]
     All,
     /// The node's primary IPs (`--node-ip`).
     Primary,
-    /// Local addresses inside these prefixes.
-    Cidrs(Vec<Ipv4Cidr>),
+    /// Local addresses inside these prefixes (either family; each family's
+    /// NodePorts take the addresses of its own).
+    Cidrs(Vec<IpCidr>),
 }
 
 impl std::str::FromStr for NodePortAddresses {
@@ -53,7 +58,7 @@ impl std::str::FromStr for NodePortAddresses {
             "primary" => Ok(Self::Primary),
             list => list
                 .split(',')
-                .map(|c| c.trim().parse::<Ipv4Cidr>().map_err(|e| e.to_string()))
+                .map(|c| c.trim().parse::<IpCidr>().map_err(|e| e.to_string()))
                 .collect::<Result<_, _>>()
                 .map(Self::Cidrs),
         }
@@ -65,11 +70,13 @@ impl std::str::FromStr for NodePortAddresses {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ConfigFile {
     pub node_name: Option<String>,
-    pub node_ip: Option<Vec<Ipv4Addr>>,
+    pub node_ip: Option<Vec<IpAddr>>,
     pub devices: Option<Vec<String>>,
     pub pod_interfaces: Option<Vec<String>>,
     pub bpffs_dir: Option<PathBuf>,
     pub source: Option<String>,
+    /// One CIDR, or one per family separated by a comma (kube-proxy's
+    /// `clusterCIDR`).
     pub cluster_cidr: Option<String>,
     pub service_cidr: Option<Vec<String>>,
     pub node_port_addresses: Option<String>,
@@ -77,6 +84,7 @@ pub struct ConfigFile {
     pub health_bind_address: Option<String>,
     pub metrics_bind_address: Option<String>,
     pub sync_period_seconds: Option<u64>,
+    pub min_sync_period_ms: Option<u64>,
     pub k8s_api_server: Option<String>,
     pub kubeconfig: Option<PathBuf>,
     pub log_format: Option<String>,
@@ -85,24 +93,35 @@ pub struct ConfigFile {
     pub conntrack_entries: Option<u32>,
     pub cgroup_path: Option<String>,
     pub socket_lb_host_only: Option<bool>,
+    pub xdp_mode: Option<String>,
+    /// LoadBalancer address allocation and L2 announcements.
+    pub load_balancer: Option<crate::lb::config::LbConfigFile>,
 }
 
 /// Everything `run` needs, resolved.
 #[derive(Clone, Debug)]
 pub struct RunConfig {
     pub node_name: String,
-    pub node_ips: Vec<Ipv4Addr>,
+    /// Both families allowed; the first of each family is its SNAT address,
+    /// and the families present are those the node serves.
+    pub node_ips: Vec<IpAddr>,
     pub devices: Vec<String>,
+    /// `--pod-interfaces` patterns; empty: pod interfaces are discovered
+    /// (see `agent::pod_interfaces`).
     pub pod_interfaces: Vec<String>,
     pub bpffs_dir: PathBuf,
     pub source: Source,
-    pub cluster_cidr: Option<Ipv4Cidr>,
-    pub service_cidrs: Vec<Ipv4Cidr>,
+    /// At most one per family.
+    pub cluster_cidrs: Vec<IpCidr>,
+    pub service_cidrs: Vec<IpCidr>,
     pub node_port_addresses: NodePortAddresses,
     pub masquerade_all: bool,
     pub health_bind_address: String,
     pub metrics_bind_address: String,
     pub sync_period: Duration,
+    /// At most one sync per this; the bound on how long a change waits to
+    /// be coalesced with others (kube-proxy's minSyncPeriod).
+    pub min_sync_period: Duration,
     pub k8s_api_server: Option<String>,
     pub kubeconfig: Option<PathBuf>,
     pub max_services: u32,
@@ -111,7 +130,49 @@ pub struct RunConfig {
     /// cgroup v2 directory for connect-time translation of the node's own
     /// processes; `None`: off.
     pub cgroup_path: Option<PathBuf>,
+    /// No cgroup path was given and no cgroup v2 mount is visible (under
+    /// `ip netns exec`, which remounts /sys, for instance): connect-time
+    /// translation is off without having been asked to be, and the agent
+    /// says so.
+    pub cgroup_missing: bool,
     pub socket_lb_host_only: bool,
+    /// Where the north-south ingress path runs on external devices.
+    pub xdp_mode: XdpMode,
+    /// LoadBalancer address allocation and L2 announcements.
+    pub lb: crate::lb::LbConfig,
+}
+
+impl RunConfig {
+    /// The families the node serves: those of its IPs, IPv4 first (kube-proxy
+    /// runs one proxier per family the node has).
+    pub fn families(&self) -> Vec<IpFamily> {
+        families_of(&self.node_ips)
+    }
+}
+
+/// The families of `ips`, IPv4 first.
+pub fn families_of(ips: &[IpAddr]) -> Vec<IpFamily> {
+    IpFamily::BOTH
+        .into_iter()
+        .filter(|f| ips.iter().any(|ip| IpFamily::of(ip) == *f))
+        .collect()
+}
+
+/// Checks a list of cluster CIDRs (one per family at most).
+pub fn check_cluster_cidrs(cidrs: &[IpCidr]) -> Result<(), String> {
+    for f in IpFamily::BOTH {
+        if cidrs.iter().filter(|c| c.family() == f).count() > 1 {
+            return Err(format!(
+                "at most one {f} cluster CIDR (got {})",
+                cidrs
+                    .iter()
+                    .map(ToString::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The cgroup v2 mount point (the root cgroup of the node's processes).
@@ -125,11 +186,6 @@ pub fn cgroup2_root() -> Option<PathBuf> {
             (fstype == "cgroup2").then(|| PathBuf::from(path))
         })
 }
-
-/// Default pod-facing interface patterns: the host ends of common CNIs.
-pub const DEFAULT_POD_INTERFACES: &[&str] = &[
-    "veth*", "cali*", "lxc*", "cni*", "gke*", "eni*", "azv*", "vnet*", "tap*",
-];
 
 /// `*` at the end matches any suffix; otherwise exact.
 pub fn interface_matches(patterns: &[String], name: &str) -> bool {

@@ -5,10 +5,13 @@
 use std::{
     collections::BTreeMap,
     sync::{Arc, Mutex},
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::{Duration, SystemTime},
 };
 
-use super::http::{Handler, Response, Server};
+use super::{
+    http::{Handler, Limits, Response, Server, ServerRuntime},
+    pod_interfaces::UnreachableEndpoint,
+};
 use crate::k8s::store::HealthCheck;
 
 /// What the health answers are computed from.
@@ -20,36 +23,29 @@ pub struct HealthState {
     pub local_endpoints: BTreeMap<(String, String), usize>,
     /// (namespace, name) → healthCheckNodePort being served.
     pub ports: BTreeMap<(String, String), u16>,
+    /// Local endpoints no attached pod interface leads to: a detail field
+    /// of `/healthz` (the status code keeps kube-proxy's meaning).
+    pub unreachable_local_endpoints: Vec<UnreachableEndpoint>,
+    /// The devices the datapath is attached to and why, for
+    /// `dataplane-agent inspect interfaces` (`/debug/interfaces`).
+    pub interfaces: serde_json::Value,
 }
 
 pub type SharedHealth = Arc<Mutex<HealthState>>;
 
-/// RFC 3339 UTC with nanoseconds, as Go formats `time.Time` in kube-proxy.
+/// RFC 3339 UTC with nanoseconds (`2023-11-14T22:13:20.000000005Z`), the
+/// fixed-width form of Go's `time.RFC3339Nano`.
 pub fn rfc3339(t: SystemTime) -> String {
-    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
-    let secs = d.as_secs() as i64;
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil from days (H. Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    format!(
-        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:09}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60,
-        d.subsec_nanos()
-    )
+    let ts = jiff::Timestamp::try_from(t).unwrap_or(jiff::Timestamp::UNIX_EPOCH);
+    jiff::fmt::temporal::DateTimePrinter::new()
+        .precision(Some(9))
+        .timestamp_to_string(&ts)
 }
 
 /// Healthy: synced within `2 × sync_period` (and, for `/healthz`, the node
-/// is eligible: not being deleted, not tainted for scale-down).
+/// is eligible: not being deleted, not tainted for scale-down). The
+/// `/healthz` body is kube-proxy's, plus `unreachableLocalEndpoints` when
+/// some local endpoint is not behind an attached pod interface.
 pub fn proxy_health(state: &HealthState, sync_period: Duration, check_node: bool) -> (bool, String) {
     let now = SystemTime::now();
     let fresh = state
@@ -58,8 +54,16 @@ pub fn proxy_health(state: &HealthState, sync_period: Duration, check_node: bool
     let healthy = fresh && (!check_node || state.node_eligible);
     let last = state.last_sync.map(rfc3339).unwrap_or_default();
     let body = if check_node {
+        let detail = if state.unreachable_local_endpoints.is_empty() {
+            String::new()
+        } else {
+            format!(
+                ",\"unreachableLocalEndpoints\":{}",
+                serde_json::to_string(&state.unreachable_local_endpoints).unwrap_or_default()
+            )
+        };
         format!(
-            "{{\"lastUpdated\":\"{last}\",\"currentTime\":\"{}\",\"nodeEligible\":{}}}",
+            "{{\"lastUpdated\":\"{last}\",\"currentTime\":\"{}\",\"nodeEligible\":{}{detail}}}",
             rfc3339(now),
             state.node_eligible
         )
@@ -73,7 +77,12 @@ pub fn proxy_health(state: &HealthState, sync_period: Duration, check_node: bool
 }
 
 /// The proxy health server: `/healthz`, `/livez`.
-pub fn proxy_server(addr: &str, state: SharedHealth, sync_period: Duration) -> std::io::Result<Server> {
+pub fn proxy_server(
+    runtime: &ServerRuntime,
+    addr: std::net::SocketAddr,
+    state: SharedHealth,
+    sync_period: Duration,
+) -> std::io::Result<Server> {
     let handler: Handler = Arc::new(move |path: &str| {
         let state = state.lock().expect("health state");
         match path.split('?').next().unwrap_or("") {
@@ -98,10 +107,22 @@ pub fn proxy_server(addr: &str, state: SharedHealth, sync_period: Duration) -> s
                     .collect();
                 Response::json(200, format!("[{}]", list.join(",")))
             }
+            // For `dataplane-agent inspect interfaces`: why each device is
+            // attached, and which local endpoints no pod interface reaches.
+            "/debug/interfaces" => {
+                let mut v = state.interfaces.clone();
+                if let Some(o) = v.as_object_mut() {
+                    o.insert(
+                        "unreachableLocalEndpoints".into(),
+                        serde_json::to_value(&state.unreachable_local_endpoints).unwrap_or_default(),
+                    );
+                }
+                Response::json(200, v.to_string())
+            }
             _ => Response::json(404, "{}".into()),
         }
     });
-    Server::bind(addr, handler)
+    Server::bind(&runtime.handle(), addr, Limits::default(), handler)
 }
 
 /// The answer of a healthCheckNodePort server (any path).
@@ -121,17 +142,24 @@ pub fn service_health(state: &HealthState, sync_period: Duration, ns: &str, name
 /// The healthCheckNodePort servers, opened, moved and closed as Services
 /// change.
 pub struct ServiceHealthServers {
+    runtime: tokio::runtime::Handle,
     servers: BTreeMap<(String, String), (u16, Server)>,
-    bind_ip: String,
+    bind_ip: std::net::IpAddr,
     state: SharedHealth,
     sync_period: Duration,
 }
 
 impl ServiceHealthServers {
-    pub fn new(bind_ip: &str, state: SharedHealth, sync_period: Duration) -> Self {
+    pub fn new(
+        runtime: &ServerRuntime,
+        bind_ip: std::net::IpAddr,
+        state: SharedHealth,
+        sync_period: Duration,
+    ) -> Self {
         Self {
+            runtime: runtime.handle(),
             servers: BTreeMap::new(),
-            bind_ip: bind_ip.to_owned(),
+            bind_ip,
             state,
             sync_period,
         }
@@ -169,7 +197,8 @@ impl ServiceHealthServers {
             let handler: Handler = Arc::new(move |_path: &str| {
                 service_health(&state.lock().expect("health state"), period, &n2, &name2)
             });
-            match Server::bind(&format!("{}:{port}", self.bind_ip), handler) {
+            let addr = std::net::SocketAddr::new(self.bind_ip, port);
+            match Server::bind(&self.runtime, addr, Limits::default(), handler) {
                 Ok(server) => {
                     self.servers.insert((ns, name), (port, server));
                 }
@@ -187,6 +216,7 @@ impl ServiceHealthServers {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::UNIX_EPOCH;
 
     #[test]
     fn rfc3339_formats_utc_like_go() {
@@ -213,6 +243,29 @@ mod tests {
         );
         s.last_sync = Some(SystemTime::now() - Duration::from_secs(61));
         assert!(!proxy_health(&s, period, false).0, "older than 2 x sync period");
+    }
+
+    #[test]
+    fn healthz_names_unreachable_local_endpoints_without_changing_its_status() {
+        let mut s = HealthState {
+            node_eligible: true,
+            last_sync: Some(SystemTime::now()),
+            ..Default::default()
+        };
+        let period = Duration::from_secs(30);
+        let (ok, body) = proxy_health(&s, period, true);
+        assert!(ok && !body.contains("unreachable"), "{body}");
+        s.unreachable_local_endpoints.push(UnreachableEndpoint {
+            address: "10.244.1.99".parse().unwrap(),
+            service: "default/web:p".into(),
+            route: "no route".into(),
+        });
+        let (ok, body) = proxy_health(&s, period, true);
+        assert!(ok, "kube-proxy's status code semantics");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["nodeEligible"], true);
+        assert_eq!(v["unreachableLocalEndpoints"][0]["address"], "10.244.1.99");
+        assert_eq!(v["unreachableLocalEndpoints"][0]["service"], "default/web:p");
     }
 
     #[test]

@@ -1,6 +1,9 @@
 //! The Kubernetes API source: kube-rs watchers for Services, EndpointSlices
 //! (with kube-proxy's label selectors) and this Node, on a tokio runtime of
-//! their own; changes reach the sync loop through a channel. Also publishes
+//! their own; changes reach the sync loop through its event channel, each
+//! waking it. Objects are parsed into the store's compact form on the
+//! watchers' thread, so full objects never pile up (an initial list of
+//! 100k EndpointSlices would otherwise take gigabytes). Also publishes
 //! Warning events for what the agent had to skip.
 
 use std::sync::mpsc;
@@ -21,7 +24,11 @@ use kube::{
 };
 use tracing::{info, warn};
 
-use crate::k8s::store::Store;
+use super::control::Event;
+use crate::k8s::{
+    model::{ServiceInfo, SliceInfo, proxied},
+    store::{ObjectKey, Store},
+};
 
 /// kube-proxy's selector: objects another proxy owns, and headless
 /// Services' slices, are not watched at all.
@@ -29,8 +36,8 @@ pub const LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!ser
 
 /// One change to the store.
 pub enum Change {
-    Services(Delta<Service>),
-    Slices(Delta<EndpointSlice>),
+    Services(Delta<ServiceInfo>),
+    Slices(Delta<SliceInfo>),
     Node(Delta<Node>),
 }
 
@@ -41,7 +48,48 @@ pub enum Delta<K> {
     /// A complete list (initial, or after a relist such as 410 Gone).
     Replace(Vec<K>),
     Apply(Boxed<K>),
-    Delete(Boxed<K>),
+    /// Deleted, or no longer selected (e.g. labelled for another proxy).
+    Delete(ObjectKey),
+}
+
+/// How a watched kind is kept: parsed, or dropped when not proxied.
+trait Parse: Sized + kube::Resource {
+    type Kept;
+    fn parse(self) -> Result<Self::Kept, ObjectKey>;
+    fn key(&self) -> ObjectKey {
+        ObjectKey::of(self.meta())
+    }
+}
+
+impl Parse for Service {
+    type Kept = ServiceInfo;
+    fn parse(self) -> Result<ServiceInfo, ObjectKey> {
+        if proxied(self.metadata.labels.as_ref()) {
+            Ok(ServiceInfo::parse(&self))
+        } else {
+            Err(ObjectKey::of(&self.metadata))
+        }
+    }
+}
+
+impl Parse for EndpointSlice {
+    type Kept = SliceInfo;
+    fn parse(self) -> Result<SliceInfo, ObjectKey> {
+        if proxied(self.metadata.labels.as_ref()) {
+            Ok(SliceInfo::parse(&self))
+        } else {
+            Err(ObjectKey::of(&self.metadata))
+        }
+    }
+}
+
+impl Parse for Node {
+    type Kept = Node;
+    fn parse(mut self) -> Result<Node, ObjectKey> {
+        self.metadata.managed_fields = None;
+        self.status = None;
+        Ok(self)
+    }
 }
 
 /// A Warning event to publish on an object.
@@ -52,7 +100,6 @@ pub struct WarningEvent {
 }
 
 pub struct KubeSource {
-    changes: mpsc::Receiver<Change>,
     events: tokio::sync::mpsc::UnboundedSender<WarningEvent>,
 }
 
@@ -66,7 +113,7 @@ pub enum KubeSourceError {
     Runtime(#[from] std::io::Error),
 }
 
-async fn client(
+pub async fn client(
     api_server: Option<String>,
     kubeconfig: Option<std::path::PathBuf>,
 ) -> Result<Client, KubeSourceError> {
@@ -95,54 +142,58 @@ async fn client(
     Client::try_from(config).map_err(|e| cfg_err(&e))
 }
 
-async fn forward<K>(
+async fn forward<K: Parse>(
     name: &'static str,
     stream: BoxStream<'static, Result<watcher::Event<K>, watcher::Error>>,
-    tx: mpsc::Sender<Change>,
-    wrap: fn(Delta<K>) -> Change,
+    tx: mpsc::Sender<Event>,
+    wrap: fn(Delta<K::Kept>) -> Change,
 ) {
-    {
-        let mut stream = stream;
-        let mut buffer: Option<Vec<K>> = None;
-        while let Some(ev) = stream.next().await {
-            let change = match ev {
-                Ok(watcher::Event::Init) => {
-                    buffer = Some(Vec::new());
-                    continue;
-                }
-                Ok(watcher::Event::InitApply(obj)) => {
-                    buffer.get_or_insert_with(Vec::new).push(obj);
-                    continue;
-                }
-                Ok(watcher::Event::InitDone) => {
-                    let items = buffer.take().unwrap_or_default();
-                    info!(resource = name, objects = items.len(), "listed");
-                    Delta::Replace(items)
-                }
-                Ok(watcher::Event::Apply(obj)) => Delta::Apply(Box::new(obj)),
-                Ok(watcher::Event::Delete(obj)) => Delta::Delete(Box::new(obj)),
-                Err(e) => {
-                    warn!(resource = name, error = %e, "watch failed; retrying with backoff");
-                    continue;
-                }
-            };
-            if tx.send(wrap(change)).is_err() {
-                return;
+    let mut stream = stream;
+    let mut buffer: Option<Vec<K::Kept>> = None;
+    while let Some(ev) = stream.next().await {
+        let change = match ev {
+            Ok(watcher::Event::Init) => {
+                buffer = Some(Vec::new());
+                continue;
             }
+            Ok(watcher::Event::InitApply(obj)) => {
+                if let Ok(kept) = obj.parse() {
+                    buffer.get_or_insert_with(Vec::new).push(kept);
+                }
+                continue;
+            }
+            Ok(watcher::Event::InitDone) => {
+                let items = buffer.take().unwrap_or_default();
+                info!(resource = name, objects = items.len(), "listed");
+                Delta::Replace(items)
+            }
+            Ok(watcher::Event::Apply(obj)) => match obj.parse() {
+                Ok(kept) => Delta::Apply(Box::new(kept)),
+                Err(key) => Delta::Delete(key),
+            },
+            Ok(watcher::Event::Delete(obj)) => Delta::Delete(obj.key()),
+            Err(e) => {
+                warn!(resource = name, error = %e, "watch failed; retrying with backoff");
+                continue;
+            }
+        };
+        if tx.send(Event::Kube(wrap(change))).is_err() {
+            return;
         }
     }
 }
 
 impl KubeSource {
+    /// Starts the watchers; their changes go to `tx`.
     pub fn start(
         api_server: Option<String>,
         kubeconfig: Option<std::path::PathBuf>,
         node_name: &str,
+        tx: mpsc::Sender<Event>,
     ) -> Result<Self, KubeSourceError> {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
-        let (tx, rx) = mpsc::channel();
         let (events_tx, mut events_rx) = tokio::sync::mpsc::unbounded_channel::<WarningEvent>();
         let node_name = node_name.to_owned();
         let (ready_tx, ready_rx) = mpsc::channel();
@@ -203,46 +254,29 @@ impl KubeSource {
         if let Ok(Err(e)) = ready_rx.recv() {
             return Err(e);
         }
-        Ok(Self {
-            changes: rx,
-            events: events_tx,
-        })
+        Ok(Self { events: events_tx })
     }
 
-    /// Applies every pending change to `store`; returns (service changes,
-    /// endpoint slice changes, anything changed).
-    pub fn drain(&self, store: &mut Store, node_name: &str) -> (u64, u64, bool) {
-        let (mut svc, mut eps, mut any) = (0, 0, false);
-        while let Ok(change) = self.changes.try_recv() {
-            any = true;
-            match change {
-                Change::Services(d) => {
-                    svc += 1;
-                    match d {
-                        Delta::Replace(items) => store.replace_services(items),
-                        Delta::Apply(s) => store.upsert_service(*s),
-                        Delta::Delete(s) => store.remove_service(&crate::k8s::store::key_of(&s.metadata)),
-                    }
-                }
-                Change::Slices(d) => {
-                    eps += 1;
-                    match d {
-                        Delta::Replace(items) => store.replace_slices(items),
-                        Delta::Apply(s) => store.upsert_slice(*s),
-                        Delta::Delete(s) => store.remove_slice(&crate::k8s::store::key_of(&s.metadata)),
-                    }
-                }
-                Change::Node(d) => match d {
-                    Delta::Replace(mut items) => store.set_node(items.pop()),
-                    Delta::Apply(n) if n.metadata.name.as_deref() == Some(node_name) => {
-                        store.set_node(Some(*n))
-                    }
-                    Delta::Apply(_) => {}
-                    Delta::Delete(_) => store.set_node(None),
-                },
-            }
+    /// Applies one change to `store`.
+    pub fn apply(change: Change, store: &mut Store, node_name: &str) {
+        match change {
+            Change::Services(d) => match d {
+                Delta::Replace(items) => store.replace_service_infos(items),
+                Delta::Apply(s) => store.upsert_service_info(*s),
+                Delta::Delete(key) => store.remove_service(&key),
+            },
+            Change::Slices(d) => match d {
+                Delta::Replace(items) => store.replace_slice_infos(items),
+                Delta::Apply(s) => store.upsert_slice_info(*s),
+                Delta::Delete(key) => store.remove_slice(&key),
+            },
+            Change::Node(d) => match d {
+                Delta::Replace(mut items) => store.set_node(items.pop()),
+                Delta::Apply(n) if n.metadata.name.as_deref() == Some(node_name) => store.set_node(Some(*n)),
+                Delta::Apply(_) => {}
+                Delta::Delete(_) => store.set_node(None),
+            },
         }
-        (svc, eps, any)
     }
 
     pub fn warn(&self, event: WarningEvent) {

@@ -1,57 +1,33 @@
-//! Prometheus metrics, text exposition format. kube-proxy's names where the
-//! meaning is the same; `dataplane_*` for what only this datapath has.
+//! Prometheus metrics: kube-proxy's names where the meaning is the same;
+//! `dataplane_*` for what only this datapath has. Histograms and the text
+//! exposition (format 0.0.4, as kube-proxy serves by default) come from the
+//! `prometheus-client` crate; the run loop updates a plain [`Metrics`] value
+//! and every scrape encodes it through a collector, which also keeps the help
+//! texts exactly kube-proxy's (the crate's registry would append a period).
 
 use std::{
     collections::BTreeMap,
-    fmt::Write as _,
     sync::{Arc, Mutex},
 };
 
-use super::http::{Handler, Response, Server};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _, MetricEncoder},
+    metrics::{
+        MetricType,
+        counter::ConstCounter,
+        gauge::ConstGauge,
+        histogram::{Histogram, exponential_buckets},
+    },
+    registry::Registry,
+};
 
-/// A histogram with kube-proxy's sync buckets (1 ms · 2^i).
-#[derive(Clone, Debug)]
-pub struct Histogram {
-    bounds: Vec<f64>,
-    counts: Vec<u64>,
-    sum: f64,
-    count: u64,
-}
+use super::http::{Handler, Limits, Response, Server, ServerRuntime};
 
-impl Histogram {
-    pub fn exponential(start: f64, factor: f64, n: usize) -> Self {
-        let bounds: Vec<f64> = (0..n).map(|i| start * factor.powi(i as i32)).collect();
-        Self {
-            counts: vec![0; bounds.len()],
-            bounds,
-            sum: 0.0,
-            count: 0,
-        }
-    }
-
-    pub fn observe(&mut self, v: f64) {
-        for (b, c) in self.bounds.iter().zip(&mut self.counts) {
-            if v <= *b {
-                *c += 1;
-            }
-        }
-        self.sum += v;
-        self.count += 1;
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
-        for (b, c) in self.bounds.iter().zip(&self.counts) {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {c}");
-        }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", self.sum, self.count);
-    }
-}
-
-/// Everything exported. The run loop updates it; scrapes render it.
+/// Everything exported. The run loop updates it; scrapes encode it.
 #[derive(Clone, Debug)]
 pub struct Metrics {
+    /// kube-proxy's sync buckets (1 ms · 2^i).
     pub sync_duration: Histogram,
     pub network_programming: Histogram,
     pub last_sync_timestamp: f64,
@@ -62,180 +38,345 @@ pub struct Metrics {
     pub no_local_endpoints: BTreeMap<&'static str, u64>,
     pub sync_problems: u64,
     pub failed_operations: u64,
+    /// Map entries found differing from what the agent wrote, repaired.
+    pub map_drift: u64,
     pub health_bind_failures: u64,
+    /// reason → manifest files or objects not applied.
+    pub skipped_objects: BTreeMap<&'static str, u64>,
+    /// Manifest files whose current content is not in use.
+    pub manifest_files_refused: u64,
     /// map → (entries, capacity).
     pub map_occupancy: BTreeMap<&'static str, (u64, u64)>,
     /// (hook, event) → (packets, bytes).
     pub datapath_events: Vec<(String, String, u64, u64)>,
     /// service → (packets, bytes).
     pub service_traffic: Vec<(String, u64, u64)>,
+    /// Pod-facing interfaces the datapath is attached to.
+    pub pod_interfaces: u64,
+    /// Local endpoints that no attached pod interface leads to.
+    pub unreachable_local_endpoints: u64,
+    /// LoadBalancer address allocation and L2 announcements.
+    pub lb: crate::lb::metrics::LbMetrics,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
         Self {
-            sync_duration: Histogram::exponential(0.001, 2.0, 15),
-            network_programming: Histogram::exponential(0.001, 2.0, 20),
+            sync_duration: Histogram::new(exponential_buckets(0.001, 2.0, 15)),
+            network_programming: Histogram::new(exponential_buckets(0.001, 2.0, 20)),
             last_sync_timestamp: 0.0,
             service_changes: 0,
             endpoint_changes: 0,
             no_local_endpoints: BTreeMap::new(),
             sync_problems: 0,
             failed_operations: 0,
+            map_drift: 0,
             health_bind_failures: 0,
+            skipped_objects: BTreeMap::new(),
+            manifest_files_refused: 0,
             map_occupancy: BTreeMap::new(),
             datapath_events: Vec::new(),
             service_traffic: Vec::new(),
+            pod_interfaces: 0,
+            unreachable_local_endpoints: 0,
+            lb: Default::default(),
         }
     }
 }
 
 pub type SharedMetrics = Arc<Mutex<Metrics>>;
 
-fn label(v: &str) -> String {
-    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+/// The reasons `dataplane_skipped_objects_total` always shows (0 until one
+/// happens), so alerts need no absent() dance.
+const SKIP_REASONS: [&str; 6] = [
+    "syntax",
+    "invalid_object",
+    "unsupported_kind",
+    "empty_file",
+    "unreadable",
+    "too_large",
+];
+
+pub(crate) type Fmt = Result<(), std::fmt::Error>;
+
+pub(crate) fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> Fmt {
+    let c = ConstCounter::new(v);
+    c.encode(enc.encode_descriptor(name, help, None, c.metric_type())?)
+}
+
+pub(crate) fn gauge<N: prometheus_client::encoding::EncodeGaugeValue>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: N,
+) -> Fmt {
+    let g = ConstGauge::new(v);
+    g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+/// One family: a sample per label set.
+pub(crate) fn family<'a, V>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    kind: MetricType,
+    samples: impl IntoIterator<Item = (Vec<(&'a str, &'a str)>, V)>,
+    sample: impl Fn(MetricEncoder, V) -> Fmt,
+) -> Fmt {
+    let mut fam = enc.encode_descriptor(name, help, None, kind)?;
+    for (labels, v) in samples {
+        sample(fam.encode_family(&labels)?, v)?;
+    }
+    Ok(())
+}
+
+pub(crate) fn const_counter(e: MetricEncoder, v: u64) -> Fmt {
+    ConstCounter::new(v).encode(e)
+}
+
+pub(crate) fn const_gauge(e: MetricEncoder, v: u64) -> Fmt {
+    ConstGauge::new(v).encode(e)
 }
 
 impl Metrics {
-    pub fn render(&self) -> String {
-        let mut o = String::new();
-        self.sync_duration.render(
-            &mut o,
+    fn encode(&self, enc: &mut DescriptorEncoder) -> Fmt {
+        self.lb.encode(enc)?;
+        self.sync_duration.encode(enc.encode_descriptor(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",
-        );
-        self.network_programming.render(
-            &mut o,
+            None,
+            MetricType::Histogram,
+        )?)?;
+        self.network_programming.encode(enc.encode_descriptor(
             "kubeproxy_network_programming_duration_seconds",
             "In Cluster Network Programming Latency in seconds",
-        );
-        let gauge = |o: &mut String, name: &str, help: &str, kind: &str, v: String| {
-            let _ = writeln!(o, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}");
-        };
+            None,
+            MetricType::Histogram,
+        )?)?;
         gauge(
-            &mut o,
+            enc,
             "kubeproxy_sync_proxy_rules_last_timestamp_seconds",
             "The last time proxy rules were successfully synced",
-            "gauge",
-            format!("{}", self.last_sync_timestamp),
-        );
-        gauge(
-            &mut o,
-            "kubeproxy_sync_proxy_rules_service_changes_total",
+            self.last_sync_timestamp,
+        )?;
+        // Counters are named without `_total`: the encoder appends it.
+        counter(
+            enc,
+            "kubeproxy_sync_proxy_rules_service_changes",
             "Cumulative proxy rules Service changes",
-            "counter",
-            self.service_changes.to_string(),
-        );
-        gauge(
-            &mut o,
-            "kubeproxy_sync_proxy_rules_endpoint_changes_total",
+            self.service_changes,
+        )?;
+        counter(
+            enc,
+            "kubeproxy_sync_proxy_rules_endpoint_changes",
             "Cumulative proxy rules Endpoint changes",
-            "counter",
-            self.endpoint_changes.to_string(),
-        );
-        let _ = writeln!(
-            o,
-            "# HELP kubeproxy_sync_proxy_rules_no_local_endpoints_total Number of services with a Local traffic policy and no endpoints\n# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge"
-        );
-        for policy in ["internal", "external"] {
-            let v = self.no_local_endpoints.get(policy).copied().unwrap_or(0);
-            let _ = writeln!(
-                o,
-                "kubeproxy_sync_proxy_rules_no_local_endpoints_total{{traffic_policy=\"{policy}\"}} {v}"
-            );
-        }
+            self.endpoint_changes,
+        )?;
+        family(
+            enc,
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            MetricType::Gauge,
+            ["internal", "external"].map(|policy| {
+                (
+                    vec![("traffic_policy", policy)],
+                    self.no_local_endpoints.get(policy).copied().unwrap_or(0),
+                )
+            }),
+            const_gauge,
+        )?;
         gauge(
-            &mut o,
+            enc,
             "dataplane_sync_problems",
-            "Objects or parts of objects skipped in the last sync (see the agent's log)",
-            "gauge",
-            self.sync_problems.to_string(),
-        );
-        gauge(
-            &mut o,
-            "dataplane_failed_map_operations_total",
-            "Map writes that failed (full map, bad input); retried at the next sync",
-            "counter",
-            self.failed_operations.to_string(),
-        );
-        gauge(
-            &mut o,
-            "dataplane_health_check_bind_failures_total",
+            "Objects or parts of objects the current table skips (see the agent's log)",
+            self.sync_problems,
+        )?;
+        counter(
+            enc,
+            "dataplane_failed_map_operations",
+            "Map writes that failed (full map, bad input); the maps are re-read and the write retried",
+            self.failed_operations,
+        )?;
+        counter(
+            enc,
+            "dataplane_map_drift_entries",
+            "Map entries found differing from what the agent wrote (changed behind its back, or a failed write), repaired",
+            self.map_drift,
+        )?;
+        counter(
+            enc,
+            "dataplane_health_check_bind_failures",
             "healthCheckNodePort servers that could not be bound",
-            "counter",
-            self.health_bind_failures.to_string(),
-        );
-        let _ = writeln!(
-            o,
-            "# HELP dataplane_map_entries Entries in a datapath map\n# TYPE dataplane_map_entries gauge"
-        );
-        for (map, (n, _)) in &self.map_occupancy {
-            let _ = writeln!(o, "dataplane_map_entries{{map=\"{map}\"}} {n}");
+            self.health_bind_failures,
+        )?;
+        family(
+            enc,
+            "dataplane_skipped_objects",
+            "Manifest files or objects not applied, by reason (a file's last good version stays in force; see the agent's log)",
+            MetricType::Counter,
+            SKIP_REASONS.map(|reason| {
+                (
+                    vec![("reason", reason)],
+                    self.skipped_objects.get(reason).copied().unwrap_or(0),
+                )
+            }),
+            const_counter,
+        )?;
+        gauge(
+            enc,
+            "dataplane_pod_interfaces",
+            "Pod-facing host interfaces the datapath is attached to",
+            self.pod_interfaces,
+        )?;
+        gauge(
+            enc,
+            "dataplane_unreachable_local_endpoints",
+            "Local endpoints whose route leads through no attached pod interface (their Services' traffic from this node is not translated; see the agent's log)",
+            self.unreachable_local_endpoints,
+        )?;
+        gauge(
+            enc,
+            "dataplane_manifest_files_refused",
+            "Manifest files whose current content is not in use (their last good version is)",
+            self.manifest_files_refused,
+        )?;
+        family(
+            enc,
+            "dataplane_map_entries",
+            "Entries in a datapath map",
+            MetricType::Gauge,
+            self.map_occupancy
+                .iter()
+                .map(|(map, (n, _))| (vec![("map", *map)], *n)),
+            const_gauge,
+        )?;
+        family(
+            enc,
+            "dataplane_map_capacity",
+            "Capacity of a datapath map",
+            MetricType::Gauge,
+            self.map_occupancy
+                .iter()
+                .map(|(map, (_, cap))| (vec![("map", *map)], *cap)),
+            const_gauge,
+        )?;
+        fn events(e: &(String, String, u64, u64)) -> Vec<(&str, &str)> {
+            vec![("hook", e.0.as_str()), ("event", e.1.as_str())]
         }
-        let _ = writeln!(
-            o,
-            "# HELP dataplane_map_capacity Capacity of a datapath map\n# TYPE dataplane_map_capacity gauge"
-        );
-        for (map, (_, cap)) in &self.map_occupancy {
-            let _ = writeln!(o, "dataplane_map_capacity{{map=\"{map}\"}} {cap}");
-        }
-        let _ = writeln!(
-            o,
-            "# HELP dataplane_packets_total Packets by program and outcome (drops and rejects by reason)\n# TYPE dataplane_packets_total counter"
-        );
-        for (hook, event, p, _) in &self.datapath_events {
-            let _ = writeln!(
-                o,
-                "dataplane_packets_total{{hook=\"{hook}\",event=\"{event}\"}} {p}"
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP dataplane_bytes_total Bytes by program and outcome\n# TYPE dataplane_bytes_total counter"
-        );
-        for (hook, event, _, b) in &self.datapath_events {
-            let _ = writeln!(
-                o,
-                "dataplane_bytes_total{{hook=\"{hook}\",event=\"{event}\"}} {b}"
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP dataplane_service_packets_total Packets translated to a Service port\n# TYPE dataplane_service_packets_total counter"
-        );
-        for (svc, p, _) in &self.service_traffic {
-            let _ = writeln!(
-                o,
-                "dataplane_service_packets_total{{service=\"{}\"}} {p}",
-                label(svc)
-            );
-        }
-        let _ = writeln!(
-            o,
-            "# HELP dataplane_service_bytes_total Bytes translated to a Service port\n# TYPE dataplane_service_bytes_total counter"
-        );
-        for (svc, _, b) in &self.service_traffic {
-            let _ = writeln!(
-                o,
-                "dataplane_service_bytes_total{{service=\"{}\"}} {b}",
-                label(svc)
-            );
-        }
-        o
+        family(
+            enc,
+            "dataplane_packets",
+            "Packets by program and outcome (drops and rejects by reason)",
+            MetricType::Counter,
+            self.datapath_events.iter().map(|e| (events(e), e.2)),
+            const_counter,
+        )?;
+        family(
+            enc,
+            "dataplane_bytes",
+            "Bytes by program and outcome",
+            MetricType::Counter,
+            self.datapath_events.iter().map(|e| (events(e), e.3)),
+            const_counter,
+        )?;
+        family(
+            enc,
+            "dataplane_service_packets",
+            "Packets translated to a Service port",
+            MetricType::Counter,
+            self.service_traffic
+                .iter()
+                .map(|(svc, p, _)| (vec![("service", svc.as_str())], *p)),
+            const_counter,
+        )?;
+        family(
+            enc,
+            "dataplane_service_bytes",
+            "Bytes translated to a Service port",
+            MetricType::Counter,
+            self.service_traffic
+                .iter()
+                .map(|(svc, _, b)| (vec![("service", svc.as_str())], *b)),
+            const_counter,
+        )
     }
 }
 
-pub fn server(addr: &str, metrics: SharedMetrics) -> std::io::Result<Server> {
+/// Encodes the shared metrics at each scrape.
+#[derive(Debug)]
+struct Exposition(SharedMetrics);
+
+impl Collector for Exposition {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Fmt {
+        self.0.lock().expect("metrics").encode(&mut enc)
+    }
+}
+
+/// The registry a scrape encodes.
+pub fn registry(metrics: SharedMetrics) -> Registry {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Exposition(metrics)));
+    registry
+}
+
+/// The text exposition (format 0.0.4) of `registry`.
+pub fn render(registry: &Registry) -> String {
+    let mut out = String::new();
+    prometheus_client::encoding::prometheus_text::encode(&mut out, registry)
+        .expect("writing to a String cannot fail");
+    out
+}
+
+pub fn server(runtime: &ServerRuntime, addr: &str, metrics: SharedMetrics) -> std::io::Result<Server> {
+    let registry = registry(metrics);
     let handler: Handler = Arc::new(move |path: &str| {
         if path.split('?').next() != Some("/metrics") {
             return Response::json(404, "{}".into());
         }
         Response {
             status: 200,
-            content_type: "text/plain; version=0.0.4",
+            content_type: prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
             headers: Vec::new(),
-            body: metrics.lock().expect("metrics").render(),
+            body: render(&registry),
         }
     });
-    Server::bind(addr, handler)
+    Server::bind(&runtime.handle(), addr, Limits::default(), handler)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_exposition_keeps_kube_proxys_names_types_and_help_texts() {
+        let metrics = Arc::new(Mutex::new(Metrics::default()));
+        {
+            let mut m = metrics.lock().unwrap();
+            m.sync_duration.observe(0.003);
+            m.service_changes = 7;
+            m.service_traffic.push(("ns/we\"b:80/TCP".into(), 3, 120));
+            *m.skipped_objects.entry("syntax").or_default() += 1;
+        }
+        let text = render(&registry(metrics));
+        for line in [
+            "# HELP kubeproxy_sync_proxy_rules_duration_seconds SyncProxyRules latency in seconds",
+            "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"} 0",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"+Inf\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 1",
+            "# HELP kubeproxy_sync_proxy_rules_service_changes_total Cumulative proxy rules Service changes",
+            "# TYPE kubeproxy_sync_proxy_rules_service_changes_total counter",
+            "kubeproxy_sync_proxy_rules_service_changes_total 7",
+            "# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"} 0",
+            "dataplane_service_packets_total{service=\"ns/we\\\"b:80/TCP\"} 3",
+            "dataplane_skipped_objects_total{reason=\"syntax\"} 1",
+            "dataplane_skipped_objects_total{reason=\"empty_file\"} 0",
+            "# TYPE dataplane_failed_map_operations_total counter",
+            "dataplane_map_drift_entries_total 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in:\n{text}");
+        }
+    }
 }

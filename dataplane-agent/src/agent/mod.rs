@@ -1,11 +1,14 @@
-//! `dataplane-agent run`: the daemon. Sources feed the object store; a sync
-//! turns the store into the service table and programs the maps; health and
-//! metrics servers report on it.
+//! `dataplane-agent run`: the daemon. Sources feed the object store; the
+//! control loop syncs what changed into the service table and the maps;
+//! health and metrics servers report on it.
 pub mod config;
+pub mod control;
+pub mod feed;
 pub mod health;
 pub mod http;
 pub mod interfaces;
 pub mod kube_source;
 pub mod metrics;
+pub mod pod_interfaces;
 pub mod run;
 pub mod sync;

@@ -1,35 +1,32 @@
-//! The daemon loop.
+//! The daemon: opens the pinned datapath, attaches it, starts the health
+//! and metrics servers, the sources and the load-balancer controllers, then
+//! hands over to the control loop ([`super::control`]).
 
 use std::{
-    collections::BTreeMap,
-    sync::{
-        Arc, Mutex,
-        atomic::{AtomicBool, Ordering},
-    },
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    collections::BTreeSet,
+    sync::{Arc, Mutex, mpsc},
+    time::SystemTime,
 };
 
 use anyhow::Context as _;
-use k8s_openapi::api::core::v1::ObjectReference;
 use tracing::{info, warn};
 
 use super::{
-    config::{RunConfig, Source, interface_matches},
+    config::{RunConfig, Source},
+    control::{ControlLoop, Event, Hooks, Timing},
+    feed::{Feed, ManifestFeed},
     health::{self, HealthState, ServiceHealthServers},
-    interfaces,
-    kube_source::{KubeSource, WarningEvent},
+    http,
+    interfaces::ChangeWatch,
+    kube_source::KubeSource,
     metrics::{self, Metrics},
-    sync::{SyncReport, Syncer, node_context},
+    pod_interfaces::{self, ExternalDevice, PodInterfaces},
+    sync::{SyncReport, Syncer},
 };
 use crate::{
     dataplane::{Attached, Datapath, DatapathConfig, LoadOptions},
-    k8s::{manifests, store::Store},
+    k8s::store::Store,
 };
-use dataplane_common::stats::{Event, Hook};
-
-/// How often interfaces are rescanned (besides link notifications) and
-/// counters exported.
-const HOUSEKEEPING: Duration = Duration::from_secs(1);
 
 pub fn load_options(cfg: &RunConfig) -> LoadOptions {
     LoadOptions {
@@ -39,23 +36,47 @@ pub fn load_options(cfg: &RunConfig) -> LoadOptions {
         max_service_entries: (cfg.max_services.saturating_mul(8)).max(cfg.max_backends.saturating_mul(4)),
         ct_entries: cfg.conntrack_entries,
         affinity_entries: 65_536,
+        // IPv6 maps sized only on a node that serves IPv6 (an IPv6 node IP):
+        // an IPv4-only node's have one entry each and cost nothing.
+        ipv6: cfg.families().contains(&crate::net::IpFamily::V6),
     }
 }
 
 pub fn datapath_config(cfg: &RunConfig) -> DatapathConfig {
-    let mut c = DatapathConfig::new(cfg.node_ips[0]);
-    c.cluster_cidr = cfg.cluster_cidr;
-    c.service_cidrs = cfg.service_cidrs.clone();
+    let mut c = DatapathConfig::for_node(&cfg.node_ips);
+    c.set_cidrs(&cfg.cluster_cidrs, &cfg.service_cidrs);
     c.masquerade_all = cfg.masquerade_all;
     c.socket_lb_host_only = cfg.socket_lb_host_only;
     c
 }
 
+/// Where the health servers listen: `--health-bind-address` (`IP:PORT`, or
+/// `:PORT` for every address); on a node that serves IPv6, the IPv4 wildcard
+/// (kube-proxy's default `0.0.0.0:10256`) becomes the IPv6 one, a socket
+/// that takes both families, as Go's listener on `:10256` does: load
+/// balancers probe healthCheckNodePorts over either family.
+fn health_bind_address(
+    text: &str,
+    families: &[crate::net::IpFamily],
+) -> anyhow::Result<std::net::SocketAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+    let addr: SocketAddr = match text.strip_prefix(':') {
+        Some(port) => (Ipv4Addr::UNSPECIFIED, port.parse()?).into(),
+        None => text
+            .parse()
+            .with_context(|| format!("--health-bind-address {text}: expected IP:PORT"))?,
+    };
+    Ok(match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() && families.contains(&crate::net::IpFamily::V6) => {
+            (Ipv6Addr::UNSPECIFIED, addr.port()).into()
+        }
+        _ => addr,
+    })
+}
+
 /// Stops the loop on SIGINT/SIGTERM. The pins stay: the datapath keeps
 /// forwarding until the next agent adopts it.
-fn stop_on_signal() -> Arc<AtomicBool> {
-    let stop = Arc::new(AtomicBool::new(false));
-    let flag = stop.clone();
+fn stop_on_signal(events: mpsc::Sender<Event>) {
     // SAFETY: signal mask manipulation with valid, initialised sets.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
@@ -66,125 +87,58 @@ fn stop_on_signal() -> Arc<AtomicBool> {
         std::thread::spawn(move || {
             let mut sig = 0;
             libc::sigwait(&set, &mut sig);
-            flag.store(true, Ordering::Relaxed);
+            let _ = events.send(Event::Stop);
         });
     }
-    stop
 }
 
-/// Where the store's objects come from.
-enum Feed {
-    Manifests {
-        paths: Vec<std::path::PathBuf>,
-        fingerprint: Option<Vec<(std::path::PathBuf, Option<SystemTime>, u64)>>,
-        previous: ObjectVersions,
-    },
-    Kube(KubeSource),
-}
-
-impl Feed {
-    /// Brings `store` up to date; true when anything changed.
-    fn poll(&mut self, store: &mut Store, metrics: &Mutex<Metrics>, node_name: &str) -> bool {
-        match self {
-            Feed::Kube(source) => {
-                let (svc, eps, any) = source.drain(store, node_name);
-                let mut m = metrics.lock().expect("metrics");
-                m.service_changes += svc;
-                m.endpoint_changes += eps;
-                any
-            }
-            Feed::Manifests {
-                paths,
-                fingerprint,
-                previous,
-            } => {
-                let fp = manifests::fingerprint(paths);
-                if fingerprint.as_ref() == Some(&fp) {
-                    return false;
-                }
-                *fingerprint = Some(fp);
-                match manifests::load(paths) {
-                    Ok(objects) => {
-                        for p in &objects.problems {
-                            warn!(problem = %p, "manifest skipped");
-                        }
-                        let versions = ObjectVersions::of(&objects);
-                        let (svc_changes, ep_changes) = versions.changes_since(previous);
-                        *previous = versions;
-                        {
-                            let mut m = metrics.lock().expect("metrics");
-                            m.service_changes += svc_changes;
-                            m.endpoint_changes += ep_changes;
-                        }
-                        store.replace_services(objects.services);
-                        store.replace_slices(objects.slices);
-                        store.set_node(
-                            objects
-                                .nodes
-                                .into_iter()
-                                .find(|n| n.metadata.name.as_deref() == Some(node_name)),
-                        );
-                        true
-                    }
-                    Err(e) => {
-                        warn!(error = %e, "cannot load manifests; keeping the last good set");
-                        false
-                    }
-                }
+/// Waits for link, address and route notifications and wakes the loop with
+/// them (pod interfaces are rescanned then).
+fn watch_links(watch: ChangeWatch, events: mpsc::Sender<Event>) {
+    std::thread::spawn(move || {
+        while watch.wait() {
+            if events.send(Event::Links).is_err() {
+                return;
             }
         }
-    }
-
-    /// A Warning event on a Service (API source only; logs cover the rest).
-    fn warn(&self, store: &Store, object: &str, reason: &str, note: &str) {
-        let Feed::Kube(source) = self else { return };
-        let (ns, name) = object.split_once('/').unwrap_or(("default", object));
-        source.warn(WarningEvent {
-            reference: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Service".into()),
-                namespace: Some(ns.into()),
-                name: Some(name.into()),
-                uid: store.service_uid(ns, name),
-                ..Default::default()
-            },
-            reason: reason.into(),
-            note: note.into(),
-        });
-    }
+    });
 }
 
 pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
-    if cfg.devices.is_empty() {
-        let mut devices: Vec<String> = interfaces::ipv4_addresses()
-            .into_iter()
-            .filter(|(_, a)| cfg.node_ips.contains(a))
-            .map(|(d, _)| d)
-            .collect();
-        devices.dedup();
-        if devices.is_empty() {
-            anyhow::bail!(
-                "no device holds the node IPs {:?} in this network namespace; pass --devices",
-                cfg.node_ips
-            );
-        }
-        cfg.devices = devices;
-    }
-    let stop = stop_on_signal();
-    let mut feed = match &cfg.source {
-        Source::Manifests(paths) => Feed::Manifests {
-            paths: paths.clone(),
-            fingerprint: None,
-            previous: ObjectVersions::default(),
-        },
-        Source::Kubernetes => Feed::Kube(
-            KubeSource::start(cfg.k8s_api_server.clone(), cfg.kubeconfig.clone(), &cfg.node_name)
-                .context("starting the Kubernetes source")?,
-        ),
-    };
+    let mut external =
+        pod_interfaces::external_devices(&cfg.devices, &cfg.node_ips).map_err(anyhow::Error::msg)?;
+    cfg.devices = external.iter().map(|d| d.name.clone()).collect();
+    let (events_tx, events) = mpsc::channel();
+    stop_on_signal(events_tx.clone());
     let opts = load_options(&cfg);
+    // The pins first: a second agent on them stops here, before it touches
+    // anything.
     let mut dp = Datapath::open_pinned(&opts, &cfg.bpffs_dir)
         .with_context(|| format!("opening the datapath pinned under {}", cfg.bpffs_dir.display()))?;
+    for r in dp.resized() {
+        info!(
+            map = r.map,
+            from = r.from,
+            to = r.to,
+            "resized a pinned map to the configured capacity"
+        );
+    }
+    let metrics = Arc::new(Mutex::new(Metrics::default()));
+    let feed = match &cfg.source {
+        Source::Manifests(paths) => Feed::Manifests(Box::new(
+            ManifestFeed::start(paths.clone(), &cfg.node_name, metrics.clone(), events_tx.clone())
+                .context("watching the manifests")?,
+        )),
+        Source::Kubernetes => Feed::Kube(
+            KubeSource::start(
+                cfg.k8s_api_server.clone(),
+                cfg.kubeconfig.clone(),
+                &cfg.node_name,
+                events_tx.clone(),
+            )
+            .context("starting the Kubernetes source")?,
+        ),
+    };
     dp.maps_mut()
         .set_config(&datapath_config(&cfg))
         .context("writing the datapath config")?;
@@ -194,12 +148,17 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         backends = adopted.backends.len(),
         "adopted the pinned service table"
     );
-    let mut syncer = Syncer::adopt(&adopted, &cfg.node_name, cfg.max_services, cfg.max_backends);
-    for dev in &cfg.devices {
-        let how = dp
-            .attach_external(dev)
-            .with_context(|| format!("attaching to external device {dev}"))?;
-        info!(device = %dev, replaced = how == Attached::Replaced, "attached xdp_ingress and tc_egress");
+    let syncer = Syncer::adopt(&adopted, &cfg.node_name, cfg.max_services, cfg.max_backends);
+    drop(adopted);
+    for dev in &mut external {
+        let a = dp
+            .attach_external(&dev.name, cfg.xdp_mode)
+            .with_context(|| format!("attaching to external device {}", dev.name))?;
+        if let Some(why) = &a.xdp_error {
+            warn!(device = %dev.name, error = %why, "native XDP unavailable; the ingress path runs in TC");
+        }
+        info!(device = %dev.name, why = %dev.why, kind = ?a.kind, ingress = a.ingress, replaced = a.how == Attached::Replaced, "attached the ingress path and tc_egress");
+        dev.ingress = Some(a.ingress);
     }
     if let Some(cgroup) = &cfg.cgroup_path {
         let how = dp.attach_cgroup(cgroup).with_context(|| {
@@ -209,12 +168,23 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
             )
         })?;
         info!(cgroup = %cgroup.display(), replaced = how == Attached::Replaced, host_only = cfg.socket_lb_host_only, "attached connect-time translation");
+    } else if cfg.cgroup_missing {
+        warn!(
+            "no cgroup v2 mount is visible (is the agent under `ip netns exec`, which remounts /sys?): host processes get no connect-time translation and reach Services only if their packets pass a pod interface; mount cgroup2 or pass --cgroup-path (none to silence this)"
+        );
     }
-    let mut pod_interfaces = BTreeMap::<String, ()>::new();
-    let links = interfaces::LinkWatch::open()
-        .map_err(|e| warn!(error = %e, "no link notifications; pod interfaces are found by rescanning every second"))
-        .ok();
-    attach_pod_interfaces(&mut dp, &cfg, &mut pod_interfaces);
+    let mut pods = PodInterfaces::new(cfg.pod_interfaces.clone(), cfg.devices.clone());
+    // Notifications wake the control loop, which rescans.
+    if let Some(watch) = pods.take_watch() {
+        watch_links(watch, events_tx.clone());
+    }
+    pods.poll(&mut dp, true);
+    for (map, copied) in dp
+        .finish_resize()
+        .context("finishing the resize of pinned maps")?
+    {
+        info!(map, copied, "dropped the old copy of a resized map");
+    }
     if let Some(pins) = dp.pins() {
         for m in pins.remove_foreign_maps() {
             info!(map = %m, "removed a pinned map this version does not use");
@@ -228,78 +198,60 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         node_eligible: true,
         ..Default::default()
     }));
-    let metrics = Arc::new(Mutex::new(Metrics::default()));
-    let _health_server = health::proxy_server(&cfg.health_bind_address, health.clone(), cfg.sync_period)
-        .with_context(|| format!("binding the health server on {}", cfg.health_bind_address))?;
-    let _metrics_server = metrics::server(&cfg.metrics_bind_address, metrics.clone())
+    pods.publish(&external, &health, &metrics);
+    let http = http::ServerRuntime::start().context("starting the HTTP servers' runtime")?;
+    let health_addr = health_bind_address(&cfg.health_bind_address, &cfg.families())?;
+    let _health_server = health::proxy_server(&http, health_addr, health.clone(), cfg.sync_period)
+        .with_context(|| format!("binding the health server on {health_addr}"))?;
+    let _metrics_server = metrics::server(&http, &cfg.metrics_bind_address, metrics.clone())
         .with_context(|| format!("binding the metrics server on {}", cfg.metrics_bind_address))?;
-    let bind_ip = cfg
-        .health_bind_address
-        .rsplit_once(':')
-        .map_or("0.0.0.0", |(ip, _)| ip)
-        .trim_matches(|c| c == '[' || c == ']');
-    let bind_ip = if bind_ip.is_empty() { "0.0.0.0" } else { bind_ip };
-    let mut service_health = ServiceHealthServers::new(bind_ip, health.clone(), cfg.sync_period);
+    let service_health = ServiceHealthServers::new(&http, health_addr.ip(), health.clone(), cfg.sync_period);
     info!(node = %cfg.node_name, health = %cfg.health_bind_address, metrics = %cfg.metrics_bind_address, "agent running");
+    // LoadBalancer address allocation and L2 announcements: their own
+    // thread and watches; stopping releases their Leases.
+    let l2_interfaces = if cfg.lb.l2_interfaces.is_empty() {
+        &cfg.devices
+    } else {
+        &cfg.lb.l2_interfaces
+    };
+    let _lb = crate::lb::LbController::start(
+        crate::lb::ApiAccess {
+            api_server: cfg.k8s_api_server.clone(),
+            kubeconfig: cfg.kubeconfig.clone(),
+        },
+        &cfg.node_name,
+        &cfg.lb,
+        l2_interfaces,
+        metrics.clone(),
+    )
+    .context("starting the load-balancer controllers")?;
 
-    let mut store = Store::default();
-    let mut dirty = false;
-    let mut last_sync: Option<Instant> = None;
-    let mut last_housekeeping = Instant::now() - HOUSEKEEPING;
-    let mut seen_triggers = std::collections::BTreeSet::new();
-    let mut reported = std::collections::BTreeSet::new();
-    while !stop.load(Ordering::Relaxed) {
-        dirty |= feed.poll(&mut store, &metrics, &cfg.node_name);
-        let due = last_sync.is_none_or(|t| t.elapsed() >= cfg.sync_period);
-        if (dirty || due) && store.synced() {
-            let node = node_context(
-                &cfg.node_ips,
-                &cfg.node_port_addresses,
-                &interfaces::ipv4_addresses(),
-            );
-            let report = syncer.sync(&store, &node, dp.maps_mut());
-            log_sync(&report, &store);
-            let bind_failures = service_health.update(&report.health_checks);
-            for (svc, port, e) in &bind_failures {
-                warn!(service = %svc, port, error = %e, reason = "FailedToStartServiceHealthcheck", "cannot serve healthCheckNodePort");
-                if reported.insert(format!("{svc} health {port}")) {
-                    let note = format!(
-                        "node {} cannot listen on healthCheckNodePort {port}: {e}",
-                        cfg.node_name
-                    );
-                    feed.warn(&store, svc, "FailedToStartServiceHealthcheck", &note);
-                }
-            }
-            for (object, why) in &report.object_problems {
-                if reported.insert(format!("{object} {why}")) {
-                    feed.warn(&store, object, "FailedToProgramService", why);
-                }
-            }
-            {
-                let mut h = health.lock().expect("health");
-                h.last_sync = Some(SystemTime::now());
-                h.node_eligible = node_eligible(&store);
-            }
-            record_sync(
-                &metrics,
-                &report,
-                bind_failures.len() as u64,
-                &store,
-                &mut seen_triggers,
-            );
-            dirty = false;
-            last_sync = Some(Instant::now());
-        }
-        if links.as_ref().is_some_and(|l| l.changed()) {
-            attach_pod_interfaces(&mut dp, &cfg, &mut pod_interfaces);
-        }
-        if last_housekeeping.elapsed() >= HOUSEKEEPING {
-            attach_pod_interfaces(&mut dp, &cfg, &mut pod_interfaces);
-            export_counters(&dp, &metrics, &syncer);
-            last_housekeeping = Instant::now();
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let control = ControlLoop {
+        node_name: cfg.node_name.clone(),
+        node_ips: cfg.node_ips.clone(),
+        node_port_addresses: cfg.node_port_addresses.clone(),
+        bpffs_dir: cfg.bpffs_dir.display().to_string(),
+        timing: Timing {
+            min_sync_period: cfg.min_sync_period,
+            sync_period: cfg.sync_period,
+            ..Timing::default()
+        },
+        events,
+        feed,
+        syncer,
+        dp,
+        metrics: metrics.clone(),
+    };
+    let mut hooks = AgentHooks {
+        cfg: &cfg,
+        health,
+        metrics,
+        service_health,
+        pods,
+        external,
+        reported: BTreeSet::new(),
+    };
+    control.run(&mut hooks)?;
     info!(
         "stopping; the datapath stays attached (pinned under {})",
         cfg.bpffs_dir.display()
@@ -307,22 +259,59 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn attach_pod_interfaces(dp: &mut Datapath, cfg: &RunConfig, known: &mut BTreeMap<String, ()>) {
-    let present = interfaces::interface_names();
-    known.retain(|name, _| present.contains(name));
-    for name in present {
-        if known.contains_key(&name)
-            || cfg.devices.contains(&name)
-            || !interface_matches(&cfg.pod_interfaces, &name)
-        {
-            continue;
-        }
-        match dp.attach_pod_interface(&name) {
-            Ok(how) => {
-                info!(interface = %name, replaced = how == Attached::Replaced, "attached to pod interface");
-                known.insert(name, ());
+/// What the agent does around the control loop: health, events, pod
+/// interfaces.
+struct AgentHooks<'a> {
+    cfg: &'a RunConfig,
+    health: Arc<Mutex<HealthState>>,
+    metrics: Arc<Mutex<Metrics>>,
+    service_health: ServiceHealthServers,
+    pods: PodInterfaces,
+    external: Vec<ExternalDevice>,
+    reported: BTreeSet<String>,
+}
+
+impl Hooks for AgentHooks<'_> {
+    fn synced(
+        &mut self,
+        report: &SyncReport,
+        store: &Store,
+        feed: &Feed,
+        syncer: &Syncer,
+        dp: &mut Datapath,
+    ) {
+        let cfg = self.cfg;
+        let bind_failures = self.service_health.update(&report.health_checks);
+        for (svc, port, e) in &bind_failures {
+            warn!(service = %svc, port, error = %e, reason = "FailedToStartServiceHealthcheck", "cannot serve healthCheckNodePort");
+            if self.reported.insert(format!("{svc} health {port}")) {
+                let note = format!(
+                    "node {} cannot listen on healthCheckNodePort {port}: {e}",
+                    cfg.node_name
+                );
+                feed.warn(store, svc, "FailedToStartServiceHealthcheck", &note);
             }
-            Err(e) => warn!(interface = %name, error = %e, "cannot attach to pod interface; will retry"),
+        }
+        for (object, why) in &report.object_problems {
+            feed.warn(store, object, "FailedToProgramService", why);
+        }
+        {
+            let mut h = self.health.lock().expect("health");
+            h.last_sync = Some(SystemTime::now());
+            h.node_eligible = node_eligible(store);
+        }
+        self.metrics.lock().expect("metrics").health_bind_failures += bind_failures.len() as u64;
+        // Local endpoints that came or went are checked for a route through
+        // a pod interface.
+        self.pods.set_local_endpoints(syncer.local_endpoints());
+        if self.pods.poll(dp, false) {
+            self.pods.publish(&self.external, &self.health, &self.metrics);
+        }
+    }
+
+    fn interfaces(&mut self, dp: &mut Datapath) {
+        if self.pods.poll(dp, true) {
+            self.pods.publish(&self.external, &self.health, &self.metrics);
         }
     }
 }
@@ -340,155 +329,15 @@ fn node_eligible(store: &Store) -> bool {
     !deleting && !scaling_down
 }
 
-fn log_sync(report: &SyncReport, store: &Store) {
-    info!(
-        services = store.service_count(),
-        endpoint_slices = store.slice_count(),
-        service_ports = report.service_ports,
-        frontends = report.frontends,
-        backends = report.backends,
-        ops = report.summary.ops,
-        frontends_set = report.summary.frontends_set,
-        frontends_removed = report.summary.frontends_removed,
-        backends_set = report.summary.backends_set,
-        backends_removed = report.summary.backends_removed,
-        failed = report.failed_ops,
-        problems = report.problems.len(),
-        duration_ms = report.duration.as_secs_f64() * 1000.0,
-        "synced"
-    );
-    for p in &report.problems {
-        warn!(problem = %p, "skipped; every other Service is programmed");
-    }
-}
-
-fn record_sync(
-    metrics: &Mutex<Metrics>,
-    report: &SyncReport,
-    bind_failures: u64,
-    store: &Store,
-    seen_triggers: &mut std::collections::BTreeSet<String>,
-) {
-    let now = SystemTime::now();
-    let mut m = metrics.lock().expect("metrics");
-    m.sync_duration.observe(report.duration.as_secs_f64());
-    m.last_sync_timestamp = now.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
-    m.sync_problems = report.problems.len() as u64;
-    m.failed_operations += report.failed_ops as u64;
-    m.health_bind_failures += bind_failures;
-    m.no_local_endpoints
-        .insert("external", report.no_local_endpoints as u64);
-    // Network programming latency: from each new trigger time to now.
-    let triggers: std::collections::BTreeSet<String> = store.trigger_times().into_iter().collect();
-    for t in triggers.difference(seen_triggers) {
-        if let Some(at) = parse_rfc3339(t)
-            && let Ok(d) = now.duration_since(at)
-        {
-            m.network_programming.observe(d.as_secs_f64());
-        }
-    }
-    *seen_triggers = triggers;
-}
-
-fn export_counters(dp: &Datapath, metrics: &Mutex<Metrics>, _syncer: &Syncer) {
-    let maps = dp.maps();
-    let mut events = Vec::new();
-    for hook in Hook::ALL {
-        for event in Event::ALL {
-            if let Ok(c) = maps.hook_counter(hook, event)
-                && c.packets > 0
-            {
-                events.push((
-                    hook.name().to_owned(),
-                    event.name().to_owned(),
-                    c.packets,
-                    c.bytes,
-                ));
-            }
-        }
-    }
-    let mut traffic = Vec::new();
-    if let Ok(names) = maps.service_names() {
-        for (id, (ns, name, port, proto)) in names {
-            if let Ok(c) = maps.service_stats(id) {
-                traffic.push((format!("{ns}/{name}:{port}/{proto}"), c.packets, c.bytes));
-            }
-        }
-    }
-    let occupancy = maps.occupancy();
-    let mut m = metrics.lock().expect("metrics");
-    m.datapath_events = events;
-    m.service_traffic = traffic;
-    m.map_occupancy = occupancy;
-}
-
-/// (namespace/name → content) of Services and EndpointSlices, to count
-/// changes between loads as kube-proxy counts watch events.
-#[derive(Default)]
-struct ObjectVersions {
-    services: BTreeMap<String, String>,
-    slices: BTreeMap<String, String>,
-}
-
-impl ObjectVersions {
-    fn of(objects: &manifests::Objects) -> Self {
-        let key = |m: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta| {
-            format!(
-                "{}/{}",
-                m.namespace.as_deref().unwrap_or("default"),
-                m.name.as_deref().unwrap_or("")
-            )
-        };
-        Self {
-            services: objects
-                .services
-                .iter()
-                .map(|s| (key(&s.metadata), serde_json::to_string(s).unwrap_or_default()))
-                .collect(),
-            slices: objects
-                .slices
-                .iter()
-                .map(|s| (key(&s.metadata), serde_json::to_string(s).unwrap_or_default()))
-                .collect(),
-        }
-    }
-
-    fn changes_since(&self, old: &Self) -> (u64, u64) {
-        let diff = |a: &BTreeMap<String, String>, b: &BTreeMap<String, String>| {
-            let changed = a.iter().filter(|(k, v)| b.get(*k) != Some(v)).count();
-            let removed = b.keys().filter(|k| !a.contains_key(*k)).count();
-            (changed + removed) as u64
-        };
-        (
-            diff(&self.services, &old.services),
-            diff(&self.slices, &old.slices),
-        )
-    }
-}
-
 /// Parses `YYYY-MM-DDTHH:MM:SS[.frac]Z` (UTC, as the API server writes).
 pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
-    let s = s.strip_suffix('Z')?;
-    let (date, time) = s.split_once('T')?;
-    let mut d = date.split('-').map(|p| p.parse::<i64>());
-    let (y, mo, da) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
-    let (hms, frac) = time.split_once('.').unwrap_or((time, "0"));
-    let mut t = hms.split(':').map(|p| p.parse::<i64>());
-    let (h, mi, se) = (t.next()?.ok()?, t.next()?.ok()?, t.next()?.ok()?);
-    let nanos: u32 = format!("{frac:0<9}")[..9].parse().ok()?;
-    // Days from civil (H. Hinnant's algorithm).
-    let y2 = if mo <= 2 { y - 1 } else { y };
-    let era = y2.div_euclid(400);
-    let yoe = y2 - era * 400;
-    let doy = (153 * (if mo > 2 { mo - 3 } else { mo + 9 }) + 2) / 5 + da - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    let secs = days * 86_400 + h * 3600 + mi * 60 + se;
-    Some(UNIX_EPOCH + Duration::new(u64::try_from(secs).ok()?, nanos))
+    s.parse::<jiff::Timestamp>().ok().map(SystemTime::from)
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
     use super::*;
 
     #[test]

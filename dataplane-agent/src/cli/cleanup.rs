@@ -1,6 +1,6 @@
 use std::path::PathBuf;
 
-use crate::dataplane::PinDir;
+use crate::dataplane::{PinDir, PinDirError};
 use anyhow::Context as _;
 
 #[derive(clap::Args)]
@@ -8,6 +8,10 @@ pub struct CleanupArgs {
     /// The agent's pin directory in bpffs.
     #[arg(long, default_value = "/sys/fs/bpf/dataplane")]
     pub bpffs_dir: PathBuf,
+    /// Remove the pins even while an agent runs on them (it notices within a
+    /// second and exits; its restart attaches afresh).
+    #[arg(long)]
+    pub force: bool,
 }
 
 pub fn run(args: &CleanupArgs) -> anyhow::Result<()> {
@@ -15,8 +19,27 @@ pub fn run(args: &CleanupArgs) -> anyhow::Result<()> {
         println!("nothing pinned at {}", args.bpffs_dir.display());
         return Ok(());
     }
-    PinDir::create(&args.bpffs_dir)?
-        .remove_all()
+    let pins = PinDir::create(&args.bpffs_dir)?;
+    // Held while removing, so that no agent starts on the pins meanwhile.
+    let _lock = match pins.lock() {
+        Ok(lock) => Some(lock),
+        Err(PinDirError::Locked { holder, .. }) if args.force => {
+            eprintln!(
+                "warning: an agent{} holds {}; removing its pins anyway (--force)",
+                holder.map(|p| format!(" (pid {p})")).unwrap_or_default(),
+                args.bpffs_dir.display()
+            );
+            None
+        }
+        Err(e @ PinDirError::Locked { .. }) => {
+            return Err(anyhow::Error::new(e).context(
+                "refusing to remove the pins of a running agent: stop it first (its datapath stays attached \
+                 while it is down), or pass --force",
+            ));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    pins.remove_all()
         .with_context(|| format!("removing {}", args.bpffs_dir.display()))?;
     println!(
         "removed {}: programs detached, maps released",

@@ -1,19 +1,20 @@
 //! `dataplane-agent inspect`: what a running (or stopped) agent's pinned
 //! maps hold. Read-only; works while the agent is down.
 
-use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf};
+use std::{collections::BTreeMap, net::IpAddr, path::PathBuf};
 
 use anyhow::Context as _;
 use dataplane_common::{
-    ct::ct_flags,
+    ct::{CtEntry, ct_flags, state},
     names,
     stats::{Event, Hook},
 };
 use serde_json::{Value, json};
 
 use crate::{
-    dataplane::{BackendSet, EmptyVerdict, FrontendEntry, LbMaps},
-    net::Protocol,
+    dataplane::{AbiAddr, FamilyMaps, LbMaps},
+    net::{Protocol, host_port},
+    state::table::{Backend, BackendSet, EmptyVerdict, FrontendEntry},
 };
 
 #[derive(clap::Args)]
@@ -36,9 +37,9 @@ pub enum What {
     Backends,
     /// Connection-tracking entries (filters combine), with count and capacity.
     Conntrack {
-        /// Entries with this address on either side.
+        /// Entries with this address (IPv4 or IPv6) on either side.
         #[arg(long)]
-        address: Option<Ipv4Addr>,
+        address: Option<IpAddr>,
         /// Entries with this port on either side.
         #[arg(long)]
         port: Option<u16>,
@@ -54,10 +55,17 @@ pub enum What {
         #[arg(long, default_value = "127.0.0.1:10256")]
         health_address: String,
     },
-}
-
-fn ip(be: u32) -> Ipv4Addr {
-    Ipv4Addr::from(u32::from_be(be))
+    /// Devices the datapath is attached to: hooks (xdp_ingress, tc_ingress,
+    /// tc_egress, tc_pod_ingress, connect-time), XDP or TC, link and program
+    /// ids (from the pinned links), and why each device was chosen (from the
+    /// running agent), with the local endpoints no pod interface reaches.
+    /// Run it in the node's network namespace.
+    Interfaces {
+        /// The agent's --health-bind-address (as reachable from here); the
+        /// reasons come from it, the rest from the pins.
+        #[arg(long, default_value = "127.0.0.1:10256")]
+        health_address: String,
+    },
 }
 
 fn flags(e: &FrontendEntry) -> Vec<&'static str> {
@@ -87,7 +95,7 @@ fn set_json(s: &BackendSet) -> Value {
     })
 }
 
-fn print(output: &str, value: Value, table: impl FnOnce() -> String) -> anyhow::Result<()> {
+pub(super) fn print(output: &str, value: Value, table: impl FnOnce() -> String) -> anyhow::Result<()> {
     match output {
         "json" => println!("{}", serde_json::to_string_pretty(&value)?),
         "table" => print!("{}", table()),
@@ -97,25 +105,34 @@ fn print(output: &str, value: Value, table: impl FnOnce() -> String) -> anyhow::
 }
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
-    if let What::Health { health_address } = &args.what {
-        return health(&args.output, health_address);
+    match &args.what {
+        What::Health { health_address } => return health(&args.output, health_address),
+        What::Interfaces { health_address } => {
+            return super::inspect_interfaces::run(&args.output, &args.bpffs_dir, health_address);
+        }
+        _ => {}
     }
-    let maps = LbMaps::open_pins(&args.bpffs_dir)
+    let (maps, notes) = LbMaps::open_pins(&args.bpffs_dir)
         .with_context(|| format!("opening the maps pinned under {}", args.bpffs_dir.display()))?;
+    // Old or foreign pins: show what can be read, and say what cannot.
+    for n in &notes {
+        eprintln!("note: {n}");
+    }
     let table = maps.read_table()?;
     let names: BTreeMap<u32, String> = table
         .service_names
         .iter()
-        .map(|(id, (ns, name, port, _))| (*id, format!("{ns}/{name}:{port}")))
+        .map(|(id, n)| (*id, n.to_string()))
         .collect();
     let name_of = |id: u32| names.get(&id).cloned().unwrap_or_else(|| format!("#{id}"));
     match &args.what {
         What::Services => {
             let mut rows = Vec::new();
             for (fe, e) in &table.frontends {
-                let stats = maps.service_stats(e.service_id)?;
+                // An id beyond the stats array (pins of another capacity): no figures.
+                let stats = maps.service_stats(e.service_id).unwrap_or_default();
                 rows.push(json!({
-                    "frontend": format!("{}:{}/{}", fe.addr, fe.port, fe.proto),
+                    "frontend": fe.to_string(),
                     "type": e.kind.as_str(),
                     "service": name_of(e.service_id),
                     "serviceId": e.service_id,
@@ -128,8 +145,16 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                 }));
             }
             print(&args.output, json!({ "services": rows }), || {
+                // IPv6 frontends are wider.
+                let w = table
+                    .frontends
+                    .iter()
+                    .map(|(fe, _)| fe.to_string().len())
+                    .max()
+                    .unwrap_or(0)
+                    .max(24);
                 let mut out = format!(
-                    "{:<24} {:<12} {:<36} {:<28} {:>8} {:>10} {:>12}\n",
+                    "{:<w$} {:<12} {:<36} {:<28} {:>8} {:>10} {:>12}\n",
                     "FRONTEND", "TYPE", "SERVICE PORT", "FLAGS", "BACKENDS", "SVC PKTS", "SVC BYTES"
                 );
                 for (fe, e) in &table.frontends {
@@ -139,8 +164,8 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                         None => e.backends.backends.len().to_string(),
                     };
                     out.push_str(&format!(
-                        "{:<24} {:<12} {:<36} {:<28} {:>8} {:>10} {:>12}\n",
-                        format!("{}:{}/{}", fe.addr, fe.port, fe.proto),
+                        "{:<w$} {:<12} {:<36} {:<28} {:>8} {:>10} {:>12}\n",
+                        fe.to_string(),
                         e.kind.as_str(),
                         name_of(e.service_id),
                         flags(e).join(","),
@@ -164,7 +189,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                     }
                 }
             }
-            let state = |b: &crate::dataplane::Backend| {
+            let state = |b: &Backend| {
                 let mut s = vec![if b.serving { "serving" } else { "not-serving" }];
                 if b.terminating {
                     s.push("terminating");
@@ -178,17 +203,17 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                 .backends
                 .iter()
                 .map(|(id, b)| {
-                    json!({"id": id.get(), "address": format!("{}:{}/{}", b.addr, b.port, b.proto),
+                    json!({"id": id.get(), "address": format!("{}/{}", host_port(b.addr, b.port), b.proto),
                            "state": state(b), "services": users.get(&id.get()).cloned().unwrap_or_default()})
                 })
                 .collect();
             print(&args.output, json!({ "backends": rows }), || {
-                let mut out = format!("{:>6} {:<24} {:<28} {}\n", "ID", "ADDRESS", "STATE", "SERVICES");
+                let mut out = format!("{:>6} {:<48} {:<28} {}\n", "ID", "ADDRESS", "STATE", "SERVICES");
                 for (id, b) in &table.backends {
                     out.push_str(&format!(
-                        "{:>6} {:<24} {:<28} {}\n",
+                        "{:>6} {:<48} {:<28} {}\n",
                         id.get(),
-                        format!("{}:{}/{}", b.addr, b.port, b.proto),
+                        format!("{}/{}", host_port(b.addr, b.port), b.proto),
                         state(b).join(","),
                         users.get(&id.get()).cloned().unwrap_or_default().join(" ")
                     ));
@@ -205,50 +230,40 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                     other => anyhow::bail!("--proto {other}: expected tcp or udp"),
                 }),
             };
-            let all = maps.conntrack()?;
-            let capacity = maps.occupancy().get(names::CT4).map_or(0, |(_, c)| *c);
-            let rows: Vec<Value> = all
+            let filter = CtFilter {
+                address: *address,
+                port: *port,
+                proto,
+            };
+            // Both families' conntrack, IPv4 first.
+            let (mut rows, mut total) = conntrack_rows(maps.v4(), &filter, &name_of)?;
+            let (rows6, total6) = conntrack_rows(maps.v6(), &filter, &name_of)?;
+            rows.extend(rows6);
+            total += total6;
+            let occupancy = maps.occupancy();
+            let capacity: u64 = [names::CT4, names::CT6]
                 .iter()
-                .filter(|(k, e)| {
-                    let addrs = [k.saddr, k.daddr, e.nat_saddr, e.nat_daddr].map(ip);
-                    let ports = [k.sport, k.dport, e.nat_sport, e.nat_dport].map(u16::from_be);
-                    address.is_none_or(|a| addrs.contains(&a))
-                        && port.is_none_or(|p| ports.contains(&p))
-                        && proto.is_none_or(|p| k.proto == p)
-                })
-                .map(|(k, e)| {
-                    let mut f = Vec::new();
-                    if e.flags & ct_flags::REPLY != 0 {
-                        f.push("reply");
-                    }
-                    if e.flags & ct_flags::SNAT != 0 {
-                        f.push("snat");
-                    }
-                    if e.flags & ct_flags::CLOSING != 0 {
-                        f.push("closing");
-                    }
-                    json!({
-                        "proto": Protocol::from_number(k.proto).map_or("?", |p| p.as_str()),
-                        "key": format!("{}:{} -> {}:{}", ip(k.saddr), u16::from_be(k.sport), ip(k.daddr), u16::from_be(k.dport)),
-                        "translatedTo": format!("{}:{} -> {}:{}", ip(e.nat_saddr), u16::from_be(e.nat_sport), ip(e.nat_daddr), u16::from_be(e.nat_dport)),
-                        "service": name_of(e.service_id),
-                        "backendId": e.backend_id,
-                        "flags": f,
-                    })
-                })
-                .collect();
-            let (count, total) = (rows.len(), all.len());
+                .filter_map(|n| occupancy.get(n))
+                .map(|(_, c)| *c)
+                .sum();
+            let count = rows.len();
             print(
                 &args.output,
                 json!({"entries": rows, "count": count, "total": total, "capacity": capacity}),
                 || {
+                    let w = rows
+                        .iter()
+                        .map(|r| r["key"].as_str().unwrap_or("").len())
+                        .max()
+                        .unwrap_or(0)
+                        .max(46);
                     let mut out = format!(
-                        "{:<5} {:<46} {:<46} {:<16} {}\n",
+                        "{:<5} {:<w$} {:<w$} {:<16} {}\n",
                         "PROTO", "SEEN AS", "TRANSLATED TO", "FLAGS", "SERVICE"
                     );
                     for r in &rows {
                         out.push_str(&format!(
-                            "{:<5} {:<46} {:<46} {:<16} {}\n",
+                            "{:<5} {:<w$} {:<w$} {:<16} {}\n",
                             r["proto"].as_str().unwrap_or(""),
                             r["key"].as_str().unwrap_or(""),
                             r["translatedTo"].as_str().unwrap_or(""),
@@ -279,13 +294,18 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             }
             let mut services = Vec::new();
             for (id, name) in &names {
-                let c = maps.service_stats(*id)?;
+                let c = maps.service_stats(*id).unwrap_or_default();
                 services
                     .push(json!({"service": name, "serviceId": id, "packets": c.packets, "bytes": c.bytes}));
             }
+            let flows: Vec<Value> = maps
+                .flow_stats()?
+                .into_iter()
+                .map(|(stat, n)| json!({"stat": stat.name(), "count": n}))
+                .collect();
             print(
                 &args.output,
-                json!({"events": events, "services": services}),
+                json!({"events": events, "services": services, "flows": flows}),
                 || {
                     let mut out = format!(
                         "{:<16} {:<28} {:>12} {:>14}\n",
@@ -298,6 +318,14 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                             e["event"].as_str().unwrap_or(""),
                             e["packets"],
                             e["bytes"]
+                        ));
+                    }
+                    out.push_str(&format!("\n{:<45} {:>12}\n", "NEW FLOWS", "COUNT"));
+                    for f in &flows {
+                        out.push_str(&format!(
+                            "{:<45} {:>12}\n",
+                            f["stat"].as_str().unwrap_or(""),
+                            f["count"]
                         ));
                     }
                     out.push_str(&format!(
@@ -316,27 +344,30 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                 },
             )
         }
-        What::Health { .. } => unreachable!("handled above"),
+        What::Health { .. } | What::Interfaces { .. } => unreachable!("handled above"),
     }
 }
 
+/// GET `path` from the agent's health server at `addr`: (status, JSON body).
+pub(super) fn agent_get(addr: &str, path: &str) -> anyhow::Result<(u16, Value)> {
+    use std::io::{Read as _, Write as _};
+    let mut s = std::net::TcpStream::connect(addr)
+        .with_context(|| format!("cannot reach the agent's health server at {addr} (--health-address)"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    Ok((status, serde_json::from_str(body).unwrap_or(Value::Null)))
+}
+
 fn health(output: &str, addr: &str) -> anyhow::Result<()> {
-    let get = |path: &str| -> anyhow::Result<(u16, Value)> {
-        use std::io::{Read as _, Write as _};
-        let mut s = std::net::TcpStream::connect(addr).with_context(|| {
-            format!("cannot reach the agent's health server at {addr} (--health-address)")
-        })?;
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
-        let mut text = String::new();
-        s.read_to_string(&mut text)?;
-        let status = text
-            .split_whitespace()
-            .nth(1)
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
-        let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-        Ok((status, serde_json::from_str(body).unwrap_or(Value::Null)))
-    };
+    let get = |path: &str| agent_get(addr, path);
     let (hz, hz_body) = get("/healthz")?;
     let (lz, lz_body) = get("/livez")?;
     let (_, checks) = get("/debug/healthchecks")?;
@@ -363,4 +394,77 @@ fn health(output: &str, addr: &str) -> anyhow::Result<()> {
         }
         out
     })
+}
+
+/// What `inspect conntrack` selects (filters combine).
+struct CtFilter {
+    address: Option<IpAddr>,
+    port: Option<u16>,
+    proto: Option<u8>,
+}
+
+/// The entries of one family's conntrack that `filter` selects, as rows,
+/// and how many entries there are in all.
+fn conntrack_rows<A: AbiAddr>(
+    maps: &FamilyMaps<A>,
+    filter: &CtFilter,
+    name_of: &dyn Fn(u32) -> String,
+) -> anyhow::Result<(Vec<Value>, usize)> {
+    let all = maps.conntrack()?;
+    let total = all.len();
+    let rows = all
+        .iter()
+        .filter(|(k, e)| {
+            let addrs = [k.saddr, k.daddr, e.nat_saddr, e.nat_daddr].map(A::to_ip);
+            let ports = [k.sport, k.dport, e.nat_sport, e.nat_dport].map(u16::from_be);
+            filter.address.is_none_or(|a| addrs.contains(&a))
+                && filter.port.is_none_or(|p| ports.contains(&p))
+                && filter.proto.is_none_or(|p| k.proto == p)
+        })
+        .map(|(k, e)| {
+            let pair = |sa: A, sp: u16, da: A, dp: u16| {
+                format!(
+                    "{} -> {}",
+                    host_port(sa.to_ip(), u16::from_be(sp)),
+                    host_port(da.to_ip(), u16::from_be(dp))
+                )
+            };
+            json!({
+                "proto": Protocol::from_number(k.proto).map_or("?", |p| p.as_str()),
+                "key": pair(k.saddr, k.sport, k.daddr, k.dport),
+                "translatedTo": pair(e.nat_saddr, e.nat_sport, e.nat_daddr, e.nat_dport),
+                "service": name_of(e.service_id),
+                "flags": ct_flag_names(e),
+            })
+        })
+        .collect();
+    Ok((rows, total))
+}
+
+/// An entry's role and its flow's state, as words: `fwd-in`, `fwd-out`,
+/// `rep-in`, `rep-out`; `snat`, `explicit`; `replied`, `fin-fwd`,
+/// `fin-rep`, `rst`.
+pub fn ct_flag_names<A: AbiAddr>(e: &CtEntry<A>) -> Vec<&'static str> {
+    let mut f = vec![match e.role() {
+        ct_flags::FWD_IN => "fwd-in",
+        ct_flags::FWD_OUT => "fwd-out",
+        ct_flags::REP_IN => "rep-in",
+        _ => "rep-out",
+    }];
+    for (bit, name) in [(ct_flags::SNAT, "snat"), (ct_flags::EXPLICIT, "explicit")] {
+        if e.flags & bit != 0 {
+            f.push(name);
+        }
+    }
+    for (fact, name) in [
+        (state::REPLIED, "replied"),
+        (state::FIN_FWD, "fin-fwd"),
+        (state::FIN_REP, "fin-rep"),
+        (state::RST, "rst"),
+    ] {
+        if e.has(fact) {
+            f.push(name);
+        }
+    }
+    f
 }

@@ -3,6 +3,7 @@
 pub mod check;
 pub mod cleanup;
 pub mod inspect;
+mod inspect_interfaces;
 pub mod run;
 pub mod trace;
 
@@ -29,13 +30,16 @@ enum Command {
     ///     --cluster-cidr 10.244.0.0/16 --service-cidr 10.96.0.0/16
     #[command(verbatim_doc_comment)]
     Run(Box<run::RunArgs>),
-    /// Check that this kernel and these privileges can load the datapath.
+    /// Preflight this node: kernel and BTF, the datapath through the
+    /// verifier, bpffs, cgroup v2, XDP support of the external devices,
+    /// programs already attached, kube-proxy's leftover rules. One line per
+    /// finding; exits non-zero only on blockers. Attaches nothing.
     ///
-    /// Loads the embedded eBPF object and every program in it through the
-    /// verifier, attaches nothing, and exits.
-    ///
-    /// Example: dataplane-agent check
-    Check,
+    /// Examples:
+    ///   dataplane-agent check
+    ///   dataplane-agent check --node-ip 10.0.0.21 -o json
+    #[command(verbatim_doc_comment)]
+    Check(check::CheckArgs),
     /// Remove a stopped agent's pins: its programs detach and its maps
     /// (conntrack included) go.
     ///
@@ -71,11 +75,20 @@ pub fn resolve_run_args(argv: &[String]) -> anyhow::Result<crate::agent::config:
     }
 }
 
+/// Parses `argv` as a `check` command line (the DaemonSet's init container
+/// arguments) without running it.
+pub fn parse_check_args(argv: &[String]) -> anyhow::Result<check::CheckArgs> {
+    match Cli::try_parse_from(argv)?.command {
+        Command::Check(args) => Ok(args),
+        _ => anyhow::bail!("not a `check` command line"),
+    }
+}
+
 /// Parses the command line and runs the verb.
 pub fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Run(args) => run::run(*args),
-        Command::Check => check::run(),
+        Command::Check(args) => check::run(&args),
         Command::Cleanup(args) => cleanup::run(&args),
         Command::Inspect(args) => inspect::run(&args),
         Command::Trace(args) => trace::run(*args),

@@ -1,11 +1,12 @@
-use std::{net::Ipv4Addr, path::PathBuf, time::Duration};
+use std::{net::IpAddr, path::PathBuf, time::Duration};
 
 use crate::{
     agent::{
         self,
-        config::{ConfigFile, DEFAULT_POD_INTERFACES, NodePortAddresses, RunConfig, Source},
+        config::{ConfigFile, NodePortAddresses, RunConfig, Source},
     },
-    net::Ipv4Cidr,
+    dataplane::XdpMode,
+    net::IpCidr,
 };
 use anyhow::{Context as _, bail};
 use dataplane_common::limits;
@@ -20,15 +21,19 @@ pub struct RunArgs {
     /// This node's name (EndpointSlice nodeName of local endpoints).
     #[arg(long)]
     pub node_name: Option<String>,
-    /// The node's primary IPs; the first is the SNAT address.
+    /// The node's primary IPs, one or one per family (dual-stack: e.g.
+    /// `198.18.0.11,2001:db8::11`); the first of each family is its SNAT
+    /// address, and the node serves the families given.
     #[arg(long, value_delimiter = ',')]
-    pub node_ip: Vec<Ipv4Addr>,
+    pub node_ip: Vec<IpAddr>,
     /// External devices: XDP and TC egress are attached here. Default: the
     /// devices holding the node IPs.
     #[arg(long, value_delimiter = ',')]
     pub devices: Vec<String>,
     /// Pod-facing host interfaces (`prefix*` or exact names), followed as they
-    /// come and go.
+    /// come and go. Default: none given, so they are discovered (veth devices
+    /// with a direct route, veth ports of a bridge holding an address); when
+    /// given, only these patterns are used.
     #[arg(long, value_delimiter = ',')]
     pub pod_interfaces: Vec<String>,
     /// Per-instance pin directory in bpffs (maps and links survive restarts).
@@ -38,17 +43,18 @@ pub struct RunArgs {
     /// change) or `kubernetes`.
     #[arg(long)]
     pub source: Option<Source>,
-    /// Where pods come from (kube-proxy's clusterCIDR).
-    #[arg(long)]
-    pub cluster_cidr: Option<Ipv4Cidr>,
-    /// Service CIDRs: traffic to an address in them that no Service holds is
-    /// dropped.
+    /// Where pods come from (kube-proxy's clusterCIDR): one CIDR, or one
+    /// per family (`10.244.0.0/16,fd00:10:244::/56`).
     #[arg(long, value_delimiter = ',')]
-    pub service_cidr: Vec<Ipv4Cidr>,
+    pub cluster_cidr: Vec<IpCidr>,
+    /// Service CIDRs (either family): traffic to an address in them that no
+    /// Service holds is dropped.
+    #[arg(long, value_delimiter = ',')]
+    pub service_cidr: Vec<IpCidr>,
     /// `all` (every local address), `primary` (--node-ip) or CIDR[,CIDR...].
     #[arg(long)]
     pub node_port_addresses: Option<NodePortAddresses>,
-    /// SNAT every Service flow (kube-proxy's masqueradeAll).
+    /// SNAT every flow to a ClusterIP (kube-proxy's masqueradeAll).
     #[arg(long)]
     pub masquerade_all: bool,
     /// /healthz and /livez; healthCheckNodePort servers bind the same IP.
@@ -59,6 +65,10 @@ pub struct RunArgs {
     /// Full resync period; /healthz fails after twice this without a sync.
     #[arg(long)]
     pub sync_period_seconds: Option<u64>,
+    /// At most one sync per this many milliseconds: changes arriving faster
+    /// are coalesced (a change after a quiet spell is synced at once).
+    #[arg(long)]
+    pub min_sync_period_ms: Option<u64>,
     /// API server URL (the `kubernetes` ClusterIP is served by this agent, so
     /// it cannot be used to reach the API server).
     #[arg(long)]
@@ -84,14 +94,21 @@ pub struct RunArgs {
     /// redirect per packet).
     #[arg(long)]
     pub socket_lb_host_only: bool,
+    /// Where the north-south ingress path runs on external devices: `auto`
+    /// (native XDP on physical devices whose driver has it, TC on veth and
+    /// other virtual devices), `native` (XDP or fail) or `off` (TC).
+    #[arg(long)]
+    pub xdp_mode: Option<XdpMode>,
+    #[command(flatten)]
+    pub lb: crate::lb::config::LbArgs,
 }
 
 pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
     let file: ConfigFile = match &args.config {
-        Some(p) => serde_yaml::from_str(
+        Some(p) => serde_saphyr::from_str(
             &std::fs::read_to_string(p).with_context(|| format!("reading config file {}", p.display()))?,
         )
-        .with_context(|| format!("parsing config file {}", p.display()))?,
+        .map_err(|e| anyhow::anyhow!("parsing config file {}: {e}", p.display()))?,
         None => ConfigFile::default(),
     };
     let parse_err = |what: &str, e: String| anyhow::anyhow!("config file {what}: {e}");
@@ -105,7 +122,9 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
         args.node_ip
     };
     if node_ips.is_empty() {
-        bail!("--node-ip is required (the node's primary IPv4 address; the first one is the SNAT address)");
+        bail!(
+            "--node-ip is required (the node's primary IPs, one per family it serves; the first of each family is its SNAT address)"
+        );
     }
     // Empty: the devices holding the node IPs, found when the agent starts.
     let devices = if args.devices.is_empty() {
@@ -116,22 +135,27 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
     let pod_interfaces = if !args.pod_interfaces.is_empty() {
         args.pod_interfaces
     } else {
-        file.pod_interfaces
-            .unwrap_or_else(|| DEFAULT_POD_INTERFACES.iter().map(|s| s.to_string()).collect())
+        file.pod_interfaces.unwrap_or_default()
     };
     let source = match (args.source, file.source) {
         (Some(s), _) => s,
         (None, Some(s)) => s.parse().map_err(|e| parse_err("source", e))?,
         (None, None) => Source::Kubernetes,
     };
-    let cluster_cidr = match (args.cluster_cidr, file.cluster_cidr) {
-        (Some(c), _) => Some(c),
-        (None, Some(c)) => Some(
-            c.parse()
-                .map_err(|e: crate::net::CidrError| parse_err("clusterCidr", e.to_string()))?,
-        ),
-        (None, None) => None,
+    let lb = crate::lb::config::resolve(args.lb, file.load_balancer, source == Source::Kubernetes)?;
+    let cluster_cidrs = match (args.cluster_cidr.is_empty(), file.cluster_cidr) {
+        (false, _) => args.cluster_cidr,
+        (true, Some(c)) => c
+            .split(',')
+            .map(|c| {
+                c.trim()
+                    .parse()
+                    .map_err(|e: crate::net::CidrError| parse_err("clusterCidr", e.to_string()))
+            })
+            .collect::<Result<_, _>>()?,
+        (true, None) => Vec::new(),
     };
+    agent::config::check_cluster_cidrs(&cluster_cidrs).map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
     let service_cidrs = if !args.service_cidr.is_empty() {
         args.service_cidr
     } else {
@@ -153,6 +177,8 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
         .log_format
         .or(file.log_format)
         .unwrap_or_else(|| "text".into());
+    let cgroup_setting = args.cgroup_path.or(file.cgroup_path);
+    let cgroup2_root = agent::config::cgroup2_root();
     Ok((
         RunConfig {
             node_name,
@@ -164,7 +190,7 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
                 .or(file.bpffs_dir)
                 .unwrap_or_else(|| PathBuf::from("/sys/fs/bpf/dataplane")),
             source,
-            cluster_cidr,
+            cluster_cidrs,
             service_cidrs,
             node_port_addresses,
             masquerade_all: args.masquerade_all || file.masquerade_all.unwrap_or(false),
@@ -182,6 +208,9 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
                     .unwrap_or(30)
                     .max(1),
             ),
+            min_sync_period: Duration::from_millis(
+                args.min_sync_period_ms.or(file.min_sync_period_ms).unwrap_or(100),
+            ),
             k8s_api_server: args.k8s_api_server.or(file.k8s_api_server),
             kubeconfig: args.kubeconfig.or(file.kubeconfig),
             max_services: args
@@ -196,12 +225,19 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
                 .conntrack_entries
                 .or(file.conntrack_entries)
                 .unwrap_or(limits::CT_ENTRIES),
-            cgroup_path: match args.cgroup_path.or(file.cgroup_path).as_deref() {
+            cgroup_path: match cgroup_setting.as_deref() {
                 Some("none") | Some("") => None,
                 Some(p) => Some(PathBuf::from(p)),
-                None => agent::config::cgroup2_root(),
+                None => cgroup2_root.clone(),
             },
+            cgroup_missing: cgroup_setting.is_none() && cgroup2_root.is_none(),
             socket_lb_host_only: args.socket_lb_host_only || file.socket_lb_host_only.unwrap_or(false),
+            xdp_mode: match (args.xdp_mode, file.xdp_mode) {
+                (Some(m), _) => m,
+                (None, Some(m)) => m.parse().map_err(|e| parse_err("xdpMode", e))?,
+                (None, None) => XdpMode::Auto,
+            },
+            lb,
         },
         log_format,
     ))

@@ -6,14 +6,14 @@
 //! is read back from the packet, the counters and conntrack.
 
 use std::{
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     path::PathBuf,
 };
 
 use anyhow::{Context as _, bail};
 use aya::programs::{TestRun as _, TestRunOptions};
 use dataplane_common::{
-    ct::Ct4Key,
+    ct::CtKey,
     names,
     stats::{Event, Hook},
 };
@@ -24,9 +24,10 @@ use crate::{
         config::NodePortAddresses,
         sync::{Syncer, node_context},
     },
-    dataplane::{Datapath, DatapathConfig, LbMaps, LoadOptions, MapTable},
+    dataplane::{AbiAddr, Datapath, DatapathConfig, FamilyMaps, LbMaps, LoadOptions},
     k8s::{manifests, store::Store},
-    net::{Ipv4Cidr, Protocol},
+    net::{IpCidr, Protocol},
+    state::table::MapTable,
 };
 
 #[derive(clap::Args, Debug)]
@@ -36,14 +37,15 @@ pub struct TraceArgs {
     pub manifests: Vec<PathBuf>,
     #[arg(long)]
     pub node_name: String,
+    /// The node's IPs, one per family it serves (`198.18.0.11,2001:db8::11`).
     #[arg(long, value_delimiter = ',', required = true)]
-    pub node_ip: Vec<Ipv4Addr>,
-    /// Where pods come from (kube-proxy's clusterCIDR).
-    #[arg(long)]
-    pub cluster_cidr: Option<Ipv4Cidr>,
+    pub node_ip: Vec<IpAddr>,
+    /// Where pods come from (kube-proxy's clusterCIDR), one per family.
+    #[arg(long, value_delimiter = ',')]
+    pub cluster_cidr: Vec<IpCidr>,
     /// Traffic to an unallocated address inside these is dropped.
     #[arg(long, value_delimiter = ',')]
-    pub service_cidr: Vec<Ipv4Cidr>,
+    pub service_cidr: Vec<IpCidr>,
     /// `all`, `primary` or CIDR[,CIDR...] (the node's addresses are --node-ip).
     #[arg(long, default_value = "all")]
     pub node_port_addresses: NodePortAddresses,
@@ -53,11 +55,12 @@ pub struct TraceArgs {
     /// on this node, --src is its IP) or `host` (a process of the node).
     #[arg(long)]
     pub from: String,
-    /// IP[:PORT] (port 40000 when omitted).
+    /// IP[:PORT] (port 40000 when omitted): `203.0.113.7`, `[2001:db8::7]:5000`.
     #[arg(long)]
     pub src: String,
+    /// IP:PORT, `10.96.0.10:80` or `[fd00:10:96::a]:80`.
     #[arg(long)]
-    pub dst: SocketAddrV4,
+    pub dst: SocketAddr,
     #[arg(long)]
     pub proto: String,
     #[arg(short = 'o', long, default_value = "table")]
@@ -82,10 +85,10 @@ struct Outcome {
     verdict: &'static str,
     program: &'static str,
     event: Option<Event>,
-    src: SocketAddrV4,
-    dst: SocketAddrV4,
+    src: SocketAddr,
+    dst: SocketAddr,
     snat: bool,
-    backend: Option<SocketAddrV4>,
+    backend: Option<SocketAddr>,
     service_id: Option<u32>,
     steps: Vec<String>,
 }
@@ -94,17 +97,30 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     let proto = match args.proto.to_ascii_lowercase().as_str() {
         "tcp" => Protocol::Tcp,
         "udp" => Protocol::Udp,
-        other => bail!("--proto {other}: expected tcp or udp"),
+        "sctp" => Protocol::Sctp,
+        other => bail!("--proto {other}: expected tcp, udp or sctp"),
     };
-    let src: SocketAddrV4 = match args.src.parse::<SocketAddrV4>() {
+    if proto == Protocol::Sctp && args.from == "host" {
+        bail!(
+            "--from host traces a connect(2), and this tool opens no SCTP sockets: trace SCTP from outside or a pod"
+        );
+    }
+    let src: SocketAddr = match args.src.parse::<SocketAddr>() {
         Ok(s) => s,
-        Err(_) => SocketAddrV4::new(
+        Err(_) => SocketAddr::new(
             args.src
+                .trim_start_matches('[')
+                .trim_end_matches(']')
                 .parse()
                 .with_context(|| format!("--src {}: expected IP or IP:PORT", args.src))?,
             40000,
         ),
     };
+    if src.is_ipv4() != args.dst.is_ipv4() {
+        bail!("--src {src} and --dst {} are of different IP families", args.dst);
+    }
+    crate::agent::config::check_cluster_cidrs(&args.cluster_cidr)
+        .map_err(|e| anyhow::anyhow!("--cluster-cidr: {e}"))?;
     if !matches!(args.from.as_str(), "external" | "pod" | "host") {
         bail!("--from {}: expected external, pod or host", args.from);
     }
@@ -114,11 +130,11 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
         max_service_entries: 524_288,
         ct_entries: 4096,
         affinity_entries: 1024,
+        ipv6: true,
     })
     .context("loading a private copy of the datapath (needs root or CAP_BPF)")?;
-    let mut config = DatapathConfig::new(args.node_ip[0]);
-    config.cluster_cidr = args.cluster_cidr;
-    config.service_cidrs = args.service_cidr.clone();
+    let mut config = DatapathConfig::for_node(&args.node_ip);
+    config.set_cidrs(&args.cluster_cidr, &args.service_cidr);
     config.masquerade_all = args.masquerade_all;
     dp.maps_mut().set_config(&config)?;
     let names = if args.live {
@@ -138,7 +154,7 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
             .read_table()?
             .frontends
             .iter()
-            .find(|(f, _)| f.addr == *args.dst.ip() && f.port == args.dst.port() && f.proto == proto)
+            .find(|(f, _)| f.addr == args.dst.ip() && f.port == args.dst.port() && f.proto == proto)
             .map(|(_, e)| e.service_id),
     };
     let service = service_id.and_then(|id| names.iter().find(|(i, _)| *i == id).map(|(_, n)| n.clone()));
@@ -190,7 +206,6 @@ fn explain(e: Event) -> String {
         Event::DropUnallocatedServiceIp => {
             "an address in a service CIDR that no Service holds: dropped".into()
         }
-        Event::UnsupportedProto => "SCTP is not translated".into(),
         other => other.name().replace('_', " "),
     }
 }
@@ -198,38 +213,34 @@ fn explain(e: Event) -> String {
 /// service ids → `namespace/name:port`, from the manifests, through `run`'s
 /// own sync.
 fn program_from_manifests(args: &TraceArgs, maps: &mut LbMaps) -> anyhow::Result<Vec<(u32, String)>> {
-    let objects = manifests::load(&args.manifests)?;
+    let objects = manifests::load(&args.manifests).context("cannot use --manifests")?;
     for p in &objects.problems {
         eprintln!("warning: {p}");
     }
     let mut store = Store::default();
-    store.replace_services(objects.services);
-    store.replace_slices(objects.slices);
-    store.set_node(
-        objects
-            .nodes
-            .into_iter()
-            .find(|n| n.metadata.name.as_deref() == Some(args.node_name.as_str())),
-    );
-    let local: Vec<(String, Ipv4Addr)> = args.node_ip.iter().map(|ip| ("node".to_owned(), *ip)).collect();
+    objects.replace_store(&mut store, &args.node_name);
+    let local: Vec<(String, IpAddr)> = args.node_ip.iter().map(|ip| ("node".to_owned(), *ip)).collect();
     let node = node_context(&args.node_ip, &args.node_port_addresses, &local);
     let mut syncer = Syncer::adopt(&MapTable::default(), &args.node_name, 65_536, 131_072);
-    let report = syncer.sync(&store, &node, maps);
+    let report = syncer.sync(&mut store, &node, maps);
     for p in &report.problems {
         eprintln!("warning: {p}");
     }
     Ok(maps
         .service_names()?
         .into_iter()
-        .map(|(id, (ns, name, port, _))| (id, format!("{ns}/{name}:{port}")))
+        .map(|(id, n)| (id, n.to_string()))
         .collect())
 }
 
 /// Copies a running agent's table into the private maps (the live maps are
 /// only read).
 fn copy_live(dir: &std::path::Path, maps: &mut LbMaps) -> anyhow::Result<Vec<(u32, String)>> {
-    let live =
+    let (live, notes) =
         LbMaps::open_pins(dir).with_context(|| format!("opening the maps pinned under {}", dir.display()))?;
+    for n in &notes {
+        eprintln!("note: {n}");
+    }
     let table = live.read_table()?;
     for (id, b) in &table.backends {
         maps.set_backend(*id, b)?;
@@ -246,46 +257,82 @@ fn copy_live(dir: &std::path::Path, maps: &mut LbMaps) -> anyhow::Result<Vec<(u3
     Ok(table
         .service_names
         .into_iter()
-        .map(|(id, (ns, name, port, _))| (id, format!("{ns}/{name}:{port}")))
+        .map(|(id, n)| (id, n.to_string()))
         .collect())
 }
 
-fn frame(src: SocketAddrV4, dst: SocketAddrV4, proto: Protocol) -> Vec<u8> {
-    let l4_len = if proto == Protocol::Tcp { 20 } else { 8 };
-    let mut f = vec![0u8; 14 + 20 + l4_len];
+/// A first packet (a TCP SYN, a UDP datagram, an SCTP common header) from
+/// `src` to `dst`, either family, with valid checksums.
+fn frame(src: SocketAddr, dst: SocketAddr, proto: Protocol) -> Vec<u8> {
+    let l4_len = match proto {
+        Protocol::Tcp => 20,
+        Protocol::Udp => 8,
+        // The common header alone; its CRC32c stays zero ("left to the
+        // device"), which the datapath keeps: nothing here depends on it.
+        Protocol::Sctp => 12,
+    };
+    let (ethertype, l3_len) = if src.is_ipv4() {
+        (0x0800u16, 20)
+    } else {
+        (0x86ddu16, 40)
+    };
+    let mut f = vec![0u8; 14 + l3_len + l4_len];
     f[..6].copy_from_slice(&[0x02, 0, 0, 0, 0, 2]);
     f[6..12].copy_from_slice(&[0x02, 0, 0, 0, 0, 1]);
-    f[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
-    let ip = &mut f[14..34];
-    ip[0] = 0x45;
-    ip[2..4].copy_from_slice(&((20 + l4_len) as u16).to_be_bytes());
-    ip[8] = 64;
-    ip[9] = proto.number();
-    ip[12..16].copy_from_slice(&src.ip().octets());
-    ip[16..20].copy_from_slice(&dst.ip().octets());
-    let c = checksum(&f[14..34], 0);
-    f[24..26].copy_from_slice(&c.to_be_bytes());
-    let l4 = &mut f[34..];
+    f[12..14].copy_from_slice(&ethertype.to_be_bytes());
+    let octets = |a: IpAddr| match a {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    };
+    let (s, d) = (octets(src.ip()), octets(dst.ip()));
+    let ip = &mut f[14..14 + l3_len];
+    if src.is_ipv4() {
+        ip[0] = 0x45;
+        ip[2..4].copy_from_slice(&((20 + l4_len) as u16).to_be_bytes());
+        ip[8] = 64;
+        ip[9] = proto.number();
+        ip[12..16].copy_from_slice(&s);
+        ip[16..20].copy_from_slice(&d);
+        let c = checksum(ip, 0);
+        ip[10..12].copy_from_slice(&c.to_be_bytes());
+    } else {
+        ip[0] = 0x60;
+        ip[4..6].copy_from_slice(&(l4_len as u16).to_be_bytes());
+        ip[6] = proto.number();
+        ip[7] = 64;
+        ip[8..24].copy_from_slice(&s);
+        ip[24..40].copy_from_slice(&d);
+    }
+    let l4_at = 14 + l3_len;
+    let l4 = &mut f[l4_at..];
     l4[0..2].copy_from_slice(&src.port().to_be_bytes());
     l4[2..4].copy_from_slice(&dst.port().to_be_bytes());
-    if proto == Protocol::Tcp {
-        l4[12] = 5 << 4;
-        l4[13] = 0x02; // SYN
-        l4[14..16].copy_from_slice(&64240u16.to_be_bytes());
-    } else {
-        l4[4..6].copy_from_slice(&8u16.to_be_bytes());
+    match proto {
+        Protocol::Tcp => {
+            l4[12] = 5 << 4;
+            l4[13] = 0x02; // SYN
+            l4[14..16].copy_from_slice(&64240u16.to_be_bytes());
+        }
+        Protocol::Udp => l4[4..6].copy_from_slice(&8u16.to_be_bytes()),
+        Protocol::Sctp => return f,
     }
+    // The pseudo-header: both addresses, the protocol, the L4 length (the
+    // same sum for IPv4's and IPv6's layouts).
     let mut pseudo = Vec::new();
-    pseudo.extend_from_slice(&src.ip().octets());
-    pseudo.extend_from_slice(&dst.ip().octets());
+    pseudo.extend_from_slice(&s);
+    pseudo.extend_from_slice(&d);
     pseudo.extend_from_slice(&[0, proto.number()]);
     pseudo.extend_from_slice(&(l4_len as u16).to_be_bytes());
     let sum = pseudo
         .chunks(2)
         .map(|w| u16::from_be_bytes([w[0], w[1]]) as u32)
         .sum::<u32>();
-    let c = checksum(&f[34..], sum);
-    let at = if proto == Protocol::Tcp { 34 + 16 } else { 34 + 6 };
+    let c = checksum(&f[l4_at..], sum);
+    let at = if proto == Protocol::Tcp {
+        l4_at + 16
+    } else {
+        l4_at + 6
+    };
     f[at..at + 2].copy_from_slice(&c.to_be_bytes());
     f
 }
@@ -301,20 +348,60 @@ fn checksum(bytes: &[u8], start: u32) -> u16 {
     !(sum as u16)
 }
 
-/// (src, dst) of an IPv4 TCP/UDP frame without VLAN tags.
-fn addresses(f: &[u8]) -> Option<(SocketAddrV4, SocketAddrV4, u8)> {
-    if f.len() < 38 || f[12..14] != [0x08, 0x00] {
-        return None;
+/// (src, dst, protocol) of an IPv4 or IPv6 TCP/UDP/SCTP frame without
+/// VLAN tags or IPv6 extension headers (what [`frame`] builds).
+fn addresses(f: &[u8]) -> Option<(SocketAddr, SocketAddr, u8)> {
+    let port = |o: usize| -> Option<u16> { Some(u16::from_be_bytes([*f.get(o)?, *f.get(o + 1)?])) };
+    match f.get(12..14)? {
+        [0x08, 0x00] => {
+            let ihl = (f.get(14)? & 0x0f) as usize * 4;
+            let l4 = 14 + ihl;
+            let ip = |o: usize| Ipv4Addr::new(f[o], f[o + 1], f[o + 2], f[o + 3]);
+            (f.len() >= l4 + 4).then_some(())?;
+            Some((
+                SocketAddr::new(ip(26).into(), port(l4)?),
+                SocketAddr::new(ip(30).into(), port(l4 + 2)?),
+                f[23],
+            ))
+        }
+        [0x86, 0xdd] => {
+            let l4 = 14 + 40;
+            (f.len() >= l4 + 4).then_some(())?;
+            let ip = |o: usize| Ipv6Addr::from(<[u8; 16]>::try_from(&f[o..o + 16]).expect("16 bytes"));
+            Some((
+                SocketAddr::new(ip(22).into(), port(l4)?),
+                SocketAddr::new(ip(38).into(), port(l4 + 2)?),
+                f[20],
+            ))
+        }
+        _ => None,
     }
-    let ihl = (f[14] & 0x0f) as usize * 4;
-    let l4 = 14 + ihl;
-    let ip = |o: usize| Ipv4Addr::new(f[o], f[o + 1], f[o + 2], f[o + 3]);
-    let port = |o: usize| u16::from_be_bytes([f[o], f[o + 1]]);
-    Some((
-        SocketAddrV4::new(ip(26), port(l4)),
-        SocketAddrV4::new(ip(30), port(l4 + 2)),
-        f[23],
-    ))
+}
+
+/// The service id of the conntrack entry of `src` → `dst`, in the family's
+/// conntrack.
+fn flow_service<A: AbiAddr>(
+    maps: &FamilyMaps<A>,
+    src: SocketAddr,
+    dst: SocketAddr,
+    proto: Protocol,
+) -> anyhow::Result<Option<u32>> {
+    let (Some(saddr), Some(daddr)) = (A::from_ip(src.ip()), A::from_ip(dst.ip())) else {
+        return Ok(None);
+    };
+    let key = CtKey {
+        saddr,
+        daddr,
+        sport: src.port().to_be(),
+        dport: dst.port().to_be(),
+        proto: proto.number(),
+        _pad: [0; 3],
+    };
+    Ok(maps
+        .conntrack()?
+        .into_iter()
+        .find(|(k, _)| *k == key)
+        .map(|(_, e)| e.service_id))
 }
 
 /// The event a hook counted during one run (counters are compared).
@@ -336,8 +423,8 @@ fn snapshot(maps: &LbMaps, hook: Hook) -> Vec<(Event, u64)> {
 fn trace_packet(
     dp: &Datapath,
     from: &str,
-    src: SocketAddrV4,
-    dst: SocketAddrV4,
+    src: SocketAddr,
+    dst: SocketAddr,
     proto: Protocol,
 ) -> anyhow::Result<Outcome> {
     let input = frame(src, dst, proto);
@@ -394,17 +481,10 @@ fn trace_packet(
         steps.push(format!(
             "destination rewritten to {translated_dst} (conntrack entry created)"
         ));
-        let key = Ct4Key {
-            saddr: u32::from(*src.ip()).to_be(),
-            daddr: u32::from(*dst.ip()).to_be(),
-            sport: src.port().to_be(),
-            dport: dst.port().to_be(),
-            proto: proto.number(),
-            _pad: [0; 3],
+        o.service_id = match src.ip() {
+            IpAddr::V4(_) => flow_service(dp.maps().v4(), src, dst, proto)?,
+            IpAddr::V6(_) => flow_service(dp.maps().v6(), src, dst, proto)?,
         };
-        if let Some((_, e)) = dp.maps().conntrack()?.into_iter().find(|(k, _)| *k == key) {
-            o.service_id = Some(e.service_id);
-        }
         // Routed towards the backend: tc_egress on the way out (SNAT).
         let mut out2 = vec![0u8; out.len() + 256];
         let r2 = dp.tc(names::TC_EGRESS)?.test_run(TestRunOptions {
@@ -434,8 +514,8 @@ fn trace_packet(
 /// routing; nothing leaves).
 fn trace_host(
     dp: &mut Datapath,
-    src: SocketAddrV4,
-    dst: SocketAddrV4,
+    src: SocketAddr,
+    dst: SocketAddr,
     proto: Protocol,
 ) -> anyhow::Result<Outcome> {
     let root = crate::agent::config::cgroup2_root().context("tracing a host process needs cgroup v2")?;
@@ -450,9 +530,14 @@ fn trace_host(
             if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
                 return Err(std::io::Error::last_os_error());
             }
+            let any: SocketAddr = if dst.is_ipv4() {
+                (Ipv4Addr::UNSPECIFIED, 0).into()
+            } else {
+                (Ipv6Addr::UNSPECIFIED, 0).into()
+            };
             match proto {
-                Protocol::Udp => std::net::UdpSocket::bind("0.0.0.0:0")?.connect(dst),
-                _ => std::net::TcpStream::connect_timeout(&dst.into(), std::time::Duration::from_millis(200))
+                Protocol::Udp => std::net::UdpSocket::bind(any)?.connect(dst),
+                _ => std::net::TcpStream::connect_timeout(&dst, std::time::Duration::from_millis(200))
                     .map(drop),
             }
         })
@@ -460,18 +545,22 @@ fn trace_host(
         .expect("connect thread");
         std::fs::write(root.join("cgroup.procs"), std::process::id().to_string())?;
         let event = counted(dp.maps(), Hook::Socket, &before);
+        let program = if dst.is_ipv4() {
+            names::SOCK_CONNECT4
+        } else {
+            names::SOCK_CONNECT6
+        };
         let mut o = Outcome {
             verdict: "pass",
-            program: names::SOCK_CONNECT4,
+            program,
             event,
-            src: SocketAddrV4::new(src.ip().to_owned(), src.port()),
+            src,
             dst,
             snat: false,
             backend: None,
             service_id: None,
             steps: vec![format!(
-                "{}: {}",
-                names::SOCK_CONNECT4,
+                "{program}: {}",
                 event.map_or("no counter moved", |e| e.name())
             )],
         };
@@ -481,7 +570,7 @@ fn trace_host(
                 o.service_id = table
                     .frontends
                     .iter()
-                    .find(|(f, _)| f.addr == *dst.ip() && f.port == dst.port() && f.proto == proto)
+                    .find(|(f, _)| f.addr == dst.ip() && f.port == dst.port() && f.proto == proto)
                     .map(|(_, e)| e.service_id);
                 let backend = dp.maps().sock_translations()?.into_iter().next();
                 o.backend = backend;

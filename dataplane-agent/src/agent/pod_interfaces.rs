@@ -1,0 +1,605 @@
+//! Which host interfaces face pods, found without configuration, and the
+//! datapath's pod hooks (`tc_pod_ingress`, `tc_egress`) on them.
+//!
+//! Discovery reads the node's links, addresses and routes (rtnetlink, see
+//! [`super::interfaces`]) and follows their notifications:
+//! - **Routed (ptp) CNIs** (Calico, kindnet, AWS VPC CNI, Cilium in
+//!   routing mode...): the host end of each pod's veth carries a direct
+//!   route to the pod (`10.244.1.10 dev cali1234 scope link`). A veth (or
+//!   netkit) device with a unicast route through it and no gateway is a pod
+//!   interface, whatever its name.
+//! - **Bridge CNIs** (flannel, the reference `bridge` plugin, docker0-like
+//!   setups): pods' veths are ports of a bridge that holds their gateway
+//!   address (`cni0` with 10.244.1.1/24). Every veth port of a bridge that
+//!   holds an address is a pod interface.
+//!
+//! External devices (those holding the node IPs, or `--devices`) never are;
+//! neither are tunnels (vxlan, wireguard, ipip...: they carry other nodes'
+//! pods, whose Service traffic was translated where it started). A name
+//! pattern (`--pod-interfaces`) replaces discovery entirely when given.
+//!
+//! Once attached, an interface stays attached until it disappears: CNIs
+//! tear routes down before deleting the veth, and detaching first would
+//! only race the deletion.
+//!
+//! Every local endpoint (an EndpointSlice endpoint with this node's name) is
+//! then looked up in the kernel's routing table (`ip route get`): one whose
+//! route does not lead through an attached interface (or a bridge with an
+//! attached port) would get untranslated replies, so it is reported loudly:
+//! a log line, `dataplane_unreachable_local_endpoints`, and a field of
+//! `/healthz`.
+
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    fmt,
+    net::IpAddr,
+    sync::Mutex,
+};
+
+use serde::Serialize;
+use tracing::{info, warn};
+
+use super::{
+    config::interface_matches,
+    health::HealthState,
+    interfaces::{self, Address, ChangeWatch, Link, Route, RouteType},
+    metrics::Metrics,
+};
+use crate::dataplane::{Attached, Datapath};
+
+/// Why an interface is a pod interface.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(tag = "reason", rename_all = "camelCase")]
+pub enum Why {
+    /// It matches a `--pod-interfaces` pattern.
+    Pattern { pattern: String },
+    /// A route to pods leads through it (routed CNIs).
+    Route { route: String },
+    /// It is a port of a bridge holding a pod gateway address.
+    BridgePort { bridge: String, gateway: String },
+}
+
+impl fmt::Display for Why {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Why::Pattern { pattern } => write!(f, "matches --pod-interfaces {pattern}"),
+            Why::Route { route } => write!(f, "route {route} leads through it"),
+            Why::BridgePort { bridge, gateway } => {
+                write!(f, "port of bridge {bridge}, which holds {gateway}")
+            }
+        }
+    }
+}
+
+/// Device kinds whose host end faces one pod.
+fn pod_facing_kind(link: &Link) -> bool {
+    matches!(link.kind.as_deref(), Some("veth" | "netkit"))
+}
+
+/// The pod interfaces of a snapshot of the node's links, addresses and
+/// routes (pure: no IO). `external` are the node's external devices.
+pub fn discover(
+    links: &[Link],
+    addresses: &[Address],
+    routes: &[Route],
+    external: &[String],
+) -> BTreeMap<String, Why> {
+    let by_index: BTreeMap<u32, &Link> = links.iter().map(|l| (l.index, l)).collect();
+    let is_external = |l: &Link| external.contains(&l.name);
+    let mut out = BTreeMap::new();
+    // Routed CNIs: a direct route through a pod-facing device that is not
+    // a bridge port (ports are found through their bridge below). The most
+    // specific route names the reason.
+    // IPv6 link-local prefixes (fe80::/64 on every IPv6 interface) say
+    // nothing about pods.
+    let link_local = |r: &Route| matches!(r.destination, IpAddr::V6(v6) if v6.is_unicast_link_local());
+    let mut direct: Vec<&Route> = routes
+        .iter()
+        .filter(|r| r.kind == RouteType::Unicast && r.gateway.is_none() && !link_local(r))
+        .collect();
+    direct.sort_by_key(|r| std::cmp::Reverse(r.prefix_len));
+    for r in direct {
+        let Some(link) = r.oif.and_then(|i| by_index.get(&i)) else {
+            continue;
+        };
+        if pod_facing_kind(link) && link.master.is_none() && !is_external(link) {
+            out.entry(link.name.clone()).or_insert_with(|| Why::Route {
+                route: format!("{}/{}", r.destination, r.prefix_len),
+            });
+        }
+    }
+    // Bridge CNIs: veth ports of a bridge that holds an address.
+    for bridge in links
+        .iter()
+        .filter(|l| l.kind.as_deref() == Some("bridge") && !is_external(l))
+    {
+        let Some(gateway) = addresses
+            .iter()
+            .filter(|a| a.link == bridge.index)
+            // IPv4 first, then IPv6 (not link-local: every bridge has one).
+            .filter(|a| !matches!(a.addr, IpAddr::V6(v6) if v6.is_unicast_link_local()))
+            .min_by_key(|a| a.addr.is_ipv6())
+        else {
+            continue;
+        };
+        for port in links
+            .iter()
+            .filter(|l| l.master == Some(bridge.index) && pod_facing_kind(l) && !is_external(l))
+        {
+            out.entry(port.name.clone()).or_insert_with(|| Why::BridgePort {
+                bridge: bridge.name.clone(),
+                gateway: format!("{}/{}", gateway.addr, gateway.prefix_len),
+            });
+        }
+    }
+    out
+}
+
+/// The interfaces matching `patterns` (the `--pod-interfaces` override).
+pub fn by_pattern(links: &[Link], patterns: &[String], external: &[String]) -> BTreeMap<String, Why> {
+    links
+        .iter()
+        .filter(|l| !external.contains(&l.name) && l.name != "lo")
+        .filter_map(|l| {
+            let pattern = patterns
+                .iter()
+                .find(|p| interface_matches(std::slice::from_ref(p), &l.name))?;
+            Some((
+                l.name.clone(),
+                Why::Pattern {
+                    pattern: pattern.clone(),
+                },
+            ))
+        })
+        .collect()
+}
+
+/// Whether the route the kernel takes to a local endpoint leads through an
+/// attached interface (or a bridge with an attached port). `None` route:
+/// the address is unreachable from the node.
+pub fn reaches_attached(route: Option<&Route>, links: &[Link], attached: &BTreeSet<u32>) -> bool {
+    let Some(oif) = route.and_then(|r| r.oif) else {
+        return false;
+    };
+    attached.contains(&oif)
+        || links
+            .iter()
+            .any(|l| l.master == Some(oif) && attached.contains(&l.index))
+}
+
+/// One local endpoint the datapath cannot reach (see the module docs).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct UnreachableEndpoint {
+    pub address: IpAddr,
+    /// A Service port it backs (`namespace/name:port`).
+    pub service: String,
+    /// Where its route leads instead (`eth0`, `no route`).
+    pub route: String,
+}
+
+/// One attached pod interface.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PodInterface {
+    pub name: String,
+    pub index: u32,
+    #[serde(flatten)]
+    pub why: Why,
+}
+
+/// An external device (north-south hooks) and why it is one.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExternalDevice {
+    pub name: String,
+    /// `holds node IP 198.18.0.11` or `--devices`.
+    pub why: String,
+    /// `xdp_ingress` or `tc_ingress`, once attached.
+    pub ingress: Option<&'static str>,
+}
+
+/// The external devices: `given` (`--devices`), or those holding the node
+/// IPs in this network namespace.
+pub fn external_devices(given: &[String], node_ips: &[IpAddr]) -> Result<Vec<ExternalDevice>, String> {
+    if !given.is_empty() {
+        return Ok(given
+            .iter()
+            .map(|d| ExternalDevice {
+                name: d.clone(),
+                why: "--devices".into(),
+                ingress: None,
+            })
+            .collect());
+    }
+    let mut out: Vec<ExternalDevice> = Vec::new();
+    for (dev, ip) in interfaces::ip_addresses() {
+        if node_ips.contains(&ip) && !out.iter().any(|d| d.name == dev) {
+            out.push(ExternalDevice {
+                name: dev,
+                why: format!("holds node IP {ip}"),
+                ingress: None,
+            });
+        }
+    }
+    if out.is_empty() {
+        return Err(format!(
+            "no device holds the node IPs {node_ips:?} in this network namespace; pass --devices"
+        ));
+    }
+    Ok(out)
+}
+
+/// What a reachability check looked at: routes, attached interfaces' indexes,
+/// local endpoints.
+type CheckedState = (Vec<Route>, BTreeSet<u32>, BTreeMap<IpAddr, String>);
+
+/// The pod interfaces this agent has attached to, kept up to date.
+pub struct PodInterfaces {
+    /// `--pod-interfaces`: when not empty, only these patterns are used.
+    patterns: Vec<String>,
+    external: Vec<String>,
+    attached: BTreeMap<String, PodInterface>,
+    local_endpoints: BTreeMap<IpAddr, String>,
+    unreachable: Vec<UnreachableEndpoint>,
+    /// What the reachability check last looked at (routes, attached set,
+    /// endpoints): it reruns only when that changes.
+    checked: Option<CheckedState>,
+    watch: Option<ChangeWatch>,
+    /// Local endpoints changed since the last poll.
+    pending: bool,
+}
+
+impl PodInterfaces {
+    /// `patterns` empty: discovery. Opens the netlink notification socket
+    /// (without it, interfaces are found by the periodic rescan alone).
+    pub fn new(patterns: Vec<String>, external: Vec<String>) -> Self {
+        let watch = ChangeWatch::open()
+            .map_err(|e| {
+                warn!(error = %e, "no netlink notifications; pod interfaces are found by rescanning every second")
+            })
+            .ok();
+        if patterns.is_empty() {
+            info!("pod interfaces: discovered from routes and bridges (no --pod-interfaces given)");
+        } else {
+            info!(patterns = ?patterns, "pod interfaces: --pod-interfaces given, discovery is off");
+        }
+        Self {
+            patterns,
+            external,
+            attached: BTreeMap::new(),
+            local_endpoints: BTreeMap::new(),
+            unreachable: Vec::new(),
+            checked: None,
+            watch,
+            pending: true,
+        }
+    }
+
+    /// The notification socket, for a caller that waits on it (the agent's
+    /// control loop) and then polls with `rescan`.
+    pub fn take_watch(&mut self) -> Option<ChangeWatch> {
+        self.watch.take()
+    }
+
+    /// The local endpoints to check (after a sync: address → a Service port
+    /// it backs); the next poll rechecks them when they changed.
+    pub fn set_local_endpoints(&mut self, endpoints: BTreeMap<IpAddr, String>) {
+        if endpoints != self.local_endpoints {
+            self.local_endpoints = endpoints;
+            self.pending = true;
+        }
+    }
+
+    /// Rescans when netlink said something changed, or always when
+    /// `rescan`; attaches to new pod interfaces and rechecks local
+    /// endpoints. True when the report changed.
+    pub fn poll(&mut self, dp: &mut Datapath, rescan: bool) -> bool {
+        let notified = self.watch.as_ref().is_some_and(|w| w.changed());
+        if !(notified || rescan || self.pending) {
+            return false;
+        }
+        self.pending = false;
+        let (links, addresses, routes) =
+            match (interfaces::links(), interfaces::addresses(), interfaces::routes()) {
+                (Ok(l), Ok(a), Ok(r)) => (l, a, r),
+                (l, a, r) => {
+                    let e = [l.err(), a.err(), r.err()].into_iter().flatten().next();
+                    warn!(error = ?e, "cannot read links, addresses and routes; will retry");
+                    return false;
+                }
+            };
+        let before = (self.attached.clone(), self.unreachable.clone());
+        self.attach(dp, &links, &addresses, &routes);
+        self.check_endpoints(&links, routes);
+        before != (self.attached.clone(), self.unreachable.clone())
+    }
+
+    fn attach(&mut self, dp: &mut Datapath, links: &[Link], addresses: &[Address], routes: &[Route]) {
+        let wanted = if self.patterns.is_empty() {
+            discover(links, addresses, routes, &self.external)
+        } else {
+            by_pattern(links, &self.patterns, &self.external)
+        };
+        let present: BTreeMap<&str, u32> = links.iter().map(|l| (l.name.as_str(), l.index)).collect();
+        let gone: Vec<String> = self
+            .attached
+            .iter()
+            .filter(|(name, a)| present.get(name.as_str()) != Some(&a.index))
+            .map(|(name, _)| name.clone())
+            .collect();
+        if !gone.is_empty()
+            && let Some(pins) = dp.pins()
+        {
+            // Pins of links whose device went with its pod.
+            pins.remove_stale_links();
+        }
+        for name in gone {
+            info!(interface = %name, "pod interface gone");
+            self.attached.remove(&name);
+        }
+        for (name, why) in wanted {
+            if self.attached.contains_key(&name) {
+                continue;
+            }
+            let Some(&index) = present.get(name.as_str()) else {
+                continue;
+            };
+            match dp.attach_pod_interface(&name) {
+                Ok(how) => {
+                    info!(interface = %name, why = %why, replaced = how == Attached::Replaced, "attached to pod interface");
+                    self.attached
+                        .insert(name.clone(), PodInterface { name, index, why });
+                }
+                Err(e) => {
+                    warn!(interface = %name, why = %why, error = %e, "cannot attach to pod interface; will retry")
+                }
+            }
+        }
+    }
+
+    fn check_endpoints(&mut self, links: &[Link], routes: Vec<Route>) {
+        let attached: BTreeSet<u32> = self.attached.values().map(|a| a.index).collect();
+        let key = (routes, attached, self.local_endpoints.clone());
+        if self.checked.as_ref() == Some(&key) {
+            return;
+        }
+        let (_, attached, endpoints) = &key;
+        let mut unreachable = Vec::new();
+        for (addr, service) in endpoints {
+            let route = match interfaces::route_to(*addr) {
+                Ok(r) => r,
+                Err(e) => {
+                    warn!(endpoint = %addr, error = %e, "cannot look up the route to a local endpoint");
+                    continue;
+                }
+            };
+            // Host-network endpoints live on the node itself.
+            if route.as_ref().is_some_and(|r| r.kind == RouteType::Local) {
+                continue;
+            }
+            if reaches_attached(route.as_ref(), links, attached) {
+                continue;
+            }
+            let via = route
+                .as_ref()
+                .and_then(|r| r.oif)
+                .and_then(|i| links.iter().find(|l| l.index == i))
+                .map_or_else(|| "no route".to_owned(), |l| format!("route via {}", l.name));
+            unreachable.push(UnreachableEndpoint {
+                address: *addr,
+                service: service.clone(),
+                route: via,
+            });
+        }
+        for u in &unreachable {
+            if !self.unreachable.iter().any(|o| o.address == u.address) {
+                warn!(
+                    endpoint = %u.address,
+                    service = %u.service,
+                    route = %u.route,
+                    "local endpoint is not reachable through any pod interface the datapath is attached to: \
+                     its Services' traffic from this node is not translated (is the CNI's host interface \
+                     missing, or --pod-interfaces too narrow?)"
+                );
+            }
+        }
+        for o in &self.unreachable {
+            if !unreachable.iter().any(|u| u.address == o.address) {
+                info!(endpoint = %o.address, "local endpoint reachable through a pod interface again, or gone");
+            }
+        }
+        self.unreachable = unreachable;
+        self.checked = Some(key);
+    }
+
+    pub fn attached(&self) -> impl Iterator<Item = &PodInterface> {
+        self.attached.values()
+    }
+
+    pub fn unreachable(&self) -> &[UnreachableEndpoint] {
+        &self.unreachable
+    }
+
+    /// Hands the current state to `/healthz`, `/debug/interfaces` and the
+    /// metrics.
+    pub fn publish(
+        &self,
+        external: &[ExternalDevice],
+        health: &Mutex<HealthState>,
+        metrics: &Mutex<Metrics>,
+    ) {
+        {
+            let mut h = health.lock().expect("health");
+            h.unreachable_local_endpoints = self.unreachable.clone();
+            h.interfaces = serde_json::json!({
+                "discovery": if self.patterns.is_empty() { "routes and bridges".to_owned() } else {
+                    format!("--pod-interfaces {}", self.patterns.join(","))
+                },
+                "external": external,
+                "pods": self.attached.values().collect::<Vec<_>>(),
+            });
+        }
+        let mut m = metrics.lock().expect("metrics");
+        m.pod_interfaces = self.attached.len() as u64;
+        m.unreachable_local_endpoints = self.unreachable.len() as u64;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn link(index: u32, name: &str, kind: Option<&str>, master: Option<u32>) -> Link {
+        Link {
+            index,
+            name: name.into(),
+            up: true,
+            master,
+            kind: kind.map(Into::into),
+            xdp: None,
+            mac: None,
+        }
+    }
+
+    fn route(dst: &str, len: u8, oif: u32, gateway: Option<&str>) -> Route {
+        Route {
+            destination: dst.parse().unwrap(),
+            prefix_len: len,
+            oif: Some(oif),
+            gateway: gateway.map(|g| g.parse().unwrap()),
+            table: 254,
+            kind: RouteType::Unicast,
+        }
+    }
+
+    fn addr(link: u32, a: &str, len: u8) -> Address {
+        Address {
+            link,
+            addr: a.parse().unwrap(),
+            prefix_len: len,
+        }
+    }
+
+    fn names(m: &BTreeMap<String, Why>) -> Vec<&str> {
+        m.keys().map(String::as_str).collect()
+    }
+
+    #[test]
+    fn routed_cni_host_ends_are_found_by_their_routes_whatever_their_names() {
+        let links = [
+            link(1, "lo", None, None),
+            link(2, "eth0", Some("veth"), None),
+            link(3, "pod3f2a1", Some("veth"), None),
+            link(4, "cali12ab", Some("veth"), None),
+            // No route yet: the CNI has not finished wiring it.
+            link(5, "pod9", Some("veth"), None),
+            link(6, "vxlan.calico", Some("vxlan"), None),
+            link(7, "wg0", Some("wireguard"), None),
+        ];
+        let routes = [
+            route("198.18.0.0", 24, 2, None),
+            route("0.0.0.0", 0, 2, Some("198.18.0.1")),
+            route("10.244.1.10", 32, 3, None),
+            route("10.244.1.11", 32, 4, None),
+            route("10.244.2.0", 24, 6, Some("10.244.2.0")),
+            route("10.244.3.0", 24, 7, None),
+            // Every IPv6 interface's link-local prefix, an unwired veth's too.
+            route("fe80::", 64, 5, None),
+            route("fe80::", 64, 3, None),
+        ];
+        let found = discover(&links, &[], &routes, &["eth0".into()]);
+        assert_eq!(names(&found), ["cali12ab", "pod3f2a1"]);
+        assert_eq!(
+            found["pod3f2a1"],
+            Why::Route {
+                route: "10.244.1.10/32".into()
+            }
+        );
+        assert_eq!(
+            found["pod3f2a1"].to_string(),
+            "route 10.244.1.10/32 leads through it"
+        );
+    }
+
+    #[test]
+    fn bridge_cni_ports_are_found_through_the_bridge_holding_the_gateway() {
+        let links = [
+            link(2, "eth0", None, None),
+            link(3, "cni0", Some("bridge"), None),
+            link(4, "vethab", Some("veth"), Some(3)),
+            link(5, "vethcd", Some("veth"), Some(3)),
+            link(6, "flannel.1", Some("vxlan"), None),
+            // A bridge with no address (an L2-only switch) is not a pod bridge.
+            link(7, "br-l2", Some("bridge"), None),
+            link(8, "vethl2", Some("veth"), Some(7)),
+            // The node's own bridge (holding the node IP) is external.
+            link(9, "br0", Some("bridge"), None),
+            link(10, "vethhost", Some("veth"), Some(9)),
+        ];
+        let addresses = [
+            addr(3, "fe80::1", 64),
+            addr(3, "10.244.1.1", 24),
+            addr(7, "fe80::2", 64),
+            addr(9, "198.18.0.11", 24),
+        ];
+        let routes = [
+            route("10.244.1.0", 24, 3, None),
+            route("10.244.2.0", 24, 6, Some("10.244.2.0")),
+        ];
+        let found = discover(&links, &addresses, &routes, &["br0".into()]);
+        assert_eq!(names(&found), ["vethab", "vethcd"]);
+        assert_eq!(
+            found["vethab"].to_string(),
+            "port of bridge cni0, which holds 10.244.1.1/24"
+        );
+    }
+
+    #[test]
+    fn patterns_replace_discovery() {
+        let links = [
+            link(2, "eth0", Some("veth"), None),
+            link(3, "pod1", Some("veth"), None),
+            link(4, "veth9", Some("veth"), None),
+        ];
+        let found = by_pattern(&links, &["veth*".into(), "eth0".into()], &["eth0".into()]);
+        assert_eq!(names(&found), ["veth9"]);
+        assert_eq!(found["veth9"].to_string(), "matches --pod-interfaces veth*");
+    }
+
+    #[test]
+    fn an_endpoint_is_reachable_through_an_attached_interface_or_bridge_port() {
+        let links = [
+            link(2, "eth0", None, None),
+            link(3, "cni0", Some("bridge"), None),
+            link(4, "vethab", Some("veth"), Some(3)),
+            link(5, "pod1", Some("veth"), None),
+        ];
+        let to = |oif| Route {
+            oif: Some(oif),
+            ..route("10.244.1.5", 32, oif, None)
+        };
+        let attached = BTreeSet::from([4, 5]);
+        assert!(reaches_attached(Some(&to(5)), &links, &attached));
+        assert!(
+            reaches_attached(Some(&to(3)), &links, &attached),
+            "via the bridge"
+        );
+        assert!(!reaches_attached(Some(&to(2)), &links, &attached));
+        assert!(!reaches_attached(None, &links, &attached));
+        assert!(!reaches_attached(Some(&to(3)), &links, &BTreeSet::from([5])));
+    }
+
+    #[test]
+    fn reasons_serialize_with_a_tag() {
+        let json = serde_json::to_value(Why::BridgePort {
+            bridge: "cni0".into(),
+            gateway: "10.244.1.1/24".into(),
+        })
+        .unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"reason": "bridgePort", "bridge": "cni0", "gateway": "10.244.1.1/24"})
+        );
+    }
+}
