@@ -5,6 +5,7 @@ mod bench;
 mod build_ebpf;
 mod cmd;
 mod demo;
+mod image;
 mod setup;
 mod test;
 
@@ -45,6 +46,24 @@ enum Command {
         #[arg(last = true)]
         args: Vec<String>,
     },
+    /// Fuzz every packet program (BPF_PROG_TEST_RUN) with random and mutated
+    /// frames checked against a model: no mistranslation, checksums exactly
+    /// as valid as the input's (needs root). `cargo xtask test` runs a short
+    /// version.
+    Fuzz {
+        /// Frames to generate (each runs through every packet program).
+        #[arg(long, default_value_t = 1_000_000)]
+        packets: u64,
+        /// Seed (default: from the clock; printed either way).
+        #[arg(long)]
+        seed: Option<u64>,
+    },
+    /// Build the agent's container image (deploy/Containerfile, FROM scratch)
+    /// with podman from a static musl build of the agent; prints its tag.
+    Image {
+        #[arg(long, default_value = concat!("localhost/kube-dataplane:", env!("CARGO_PKG_VERSION")))]
+        tag: String,
+    },
     /// Build a sandbox cluster in network namespaces and show the dataplane at
     /// work (needs root).
     Demo {
@@ -74,6 +93,30 @@ fn main() -> anyhow::Result<()> {
         Command::Bench { args } => {
             setup::run(setup::Mode::Install)?;
             bench::run(&args)
+        }
+        Command::Fuzz { packets, seed } => {
+            setup::run(setup::Mode::Install)?;
+            let mut args = vec!["--packets".to_owned(), packets.to_string()];
+            if let Some(seed) = seed {
+                args.extend(["--seed".to_owned(), seed.to_string()]);
+            }
+            cmd::run(
+                cmd::cargo()
+                    .args([
+                        "run",
+                        "--release",
+                        "--package",
+                        "dataplane-tests",
+                        "--bin",
+                        "fuzz",
+                        "--",
+                    ])
+                    .args(&args),
+            )
+        }
+        Command::Image { tag } => {
+            setup::run(setup::Mode::Install)?;
+            image::run(&tag)
         }
         Command::Demo { args } => {
             setup::run(setup::Mode::Install)?;

@@ -14,7 +14,12 @@ pub enum Mode {
 
 /// Debian packages: LLVM 22 for bpf-linker; iproute2 and ethtool for the
 /// network-namespace sandbox; iptables and nftables for the benchmarks
-/// against kube-proxy's rule sets.
+/// against kube-proxy's rule sets (and the preflight's tests); wrk and
+/// nginx-light, the benchmarks' load generator and server (run only inside
+/// the sandbox's namespaces: the install starts no service, see
+/// `debian_packages`); podman and runc build and run the agent's image
+/// (runc: crun refuses hybrid cgroup hosts), musl-tools compiles the C
+/// parts of the static agent.
 const DEBIAN_PACKAGES: &[&str] = &[
     "llvm-22-dev",
     "libpolly-22-dev",
@@ -24,6 +29,11 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "ethtool",
     "iptables",
     "nftables",
+    "wrk",
+    "nginx-light",
+    "podman",
+    "runc",
+    "musl-tools",
 ];
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 const NIGHTLY: &str = "nightly";
@@ -79,7 +89,10 @@ fn debian_packages(mode: Mode) -> anyhow::Result<()> {
         Command::new("apt-get")
             .args(["install", "-y", "-q", "--no-install-recommends"])
             .args(&missing)
-            .env("DEBIAN_FRONTEND", "noninteractive"),
+            .env("DEBIAN_FRONTEND", "noninteractive")
+            // Packaged services (nginx) must not start in the machine's own
+            // network namespace: invoke-rc.d starts nothing in runlevel 1.
+            .env("RUNLEVEL", "1"),
     )
     .with_context(|| format!("`{install}` failed; is the Debian archive reachable?"))
 }
@@ -126,7 +139,21 @@ fn rust_components(mode: Mode) -> anyhow::Result<()> {
         cmd::run(Command::new("rustup").args(["component", "add", component, "--toolchain", toolchain]))
             .with_context(|| format!("`{add}` failed"))?;
     }
-    eprintln!("setup: rust components present (rustfmt, clippy; nightly rust-src, clippy)");
+    // The static agent of the image.
+    let target = crate::image::MUSL_TARGET;
+    let targets =
+        output(Command::new("rustup").args(["target", "list", "--installed", "--toolchain", &active]))
+            .unwrap_or_default();
+    if !targets.lines().any(|l| l.trim() == target) {
+        let add = format!("rustup target add {target} --toolchain {active}");
+        if mode == Mode::Check {
+            bail!("missing the {target} target; install it with `{add}`");
+        }
+        eprintln!("setup: installing the {target} target for {active}");
+        cmd::run(Command::new("rustup").args(["target", "add", target, "--toolchain", &active]))
+            .with_context(|| format!("`{add}` failed"))?;
+    }
+    eprintln!("setup: rust components present (rustfmt, clippy, {target}; nightly rust-src, clippy)");
     Ok(())
 }
 
@@ -181,24 +208,41 @@ fn bpf_linker(mode: Mode) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// kubernetes-validate (PyPI): the deployment tests validate deploy/ against
-/// the Kubernetes schemas with it.
-const KUBERNETES_VALIDATE: &str = "kubernetes-validate==1.37.0";
+/// Python packages from PyPI (pinned), with the command that proves each is
+/// usable: kubernetes-validate (the deployment tests validate deploy/
+/// against the Kubernetes schemas with it) and prometheus-client (its
+/// exposition parser, Prometheus' own Python client, checks the agent's
+/// /metrics in the end-to-end tests).
+const PYTHON_PACKAGES: &[(&str, &[&str])] = &[
+    (
+        "kubernetes-validate==1.37.0",
+        &["-m", "kubernetes_validate", "--version"],
+    ),
+    (
+        "prometheus-client==0.26.0",
+        &["-c", "import prometheus_client.parser"],
+    ),
+];
 
 fn python_tools(mode: Mode) -> anyhow::Result<()> {
-    let present =
-        || output(Command::new("python3").args(["-m", "kubernetes_validate", "--version"])).is_some();
+    for (package, probe) in PYTHON_PACKAGES {
+        python_package(mode, package, probe)?;
+    }
+    Ok(())
+}
+
+fn python_package(mode: Mode, package: &str, probe: &[&str]) -> anyhow::Result<()> {
+    let present = || output(Command::new("python3").args(probe)).is_some();
     if present() {
-        eprintln!("setup: {KUBERNETES_VALIDATE} present");
+        eprintln!("setup: {package} present");
         return Ok(());
     }
-    let install = format!("python3 -m pip install {KUBERNETES_VALIDATE}");
+    let install = format!("python3 -m pip install {package}");
     if mode == Mode::Check {
-        bail!("kubernetes-validate is missing; install it with `{install}`");
+        bail!("{package} is missing; install it with `{install}`");
     }
-    eprintln!("setup: installing {KUBERNETES_VALIDATE} from PyPI");
-    let plain =
-        cmd::run(Command::new("python3").args(["-m", "pip", "install", "--quiet", KUBERNETES_VALIDATE]));
+    eprintln!("setup: installing {package} from PyPI");
+    let plain = cmd::run(Command::new("python3").args(["-m", "pip", "install", "--quiet", package]));
     if plain.is_err() {
         // Debian's system Python refuses pip installs without this flag.
         cmd::run(Command::new("python3").args([
@@ -207,12 +251,12 @@ fn python_tools(mode: Mode) -> anyhow::Result<()> {
             "install",
             "--quiet",
             "--break-system-packages",
-            KUBERNETES_VALIDATE,
+            package,
         ]))
         .with_context(|| format!("`{install}` failed; is PyPI reachable?"))?;
     }
     if !present() {
-        bail!("kubernetes-validate installed but `python3 -m kubernetes_validate` does not run");
+        bail!("{package} installed but `python3 {}` fails", probe.join(" "));
     }
     Ok(())
 }
