@@ -10,7 +10,7 @@ use std::{
 };
 
 use crate::{
-    cluster::{CLUSTER_CIDR, Cluster, EXTERNAL_DEVICE},
+    cluster::{CLUSTER_CIDR, Cluster},
     netns::NetNs,
     services::SERVICE_CIDR,
 };
@@ -62,6 +62,8 @@ pub struct AgentProcess {
     pub node: usize,
     pub node_ip: std::net::Ipv4Addr,
     pub log: PathBuf,
+    /// Its `--bpffs-dir`.
+    pub pin_dir: PathBuf,
     bin: String,
     args: Vec<String>,
     ns: String,
@@ -93,45 +95,57 @@ impl Cluster {
     ) -> AgentProcess {
         let n = &self.nodes[node];
         let pin_dir = self.bpffs.path().join(&n.name);
-        let mut args: Vec<String> = [
-            "run",
-            "--node-name",
-            &n.name,
-            "--node-ip",
+        // A dual-stack node is described by both families, as kube-proxy's
+        // dual-stack nodes are.
+        let both = |v4: &str, v6: &str| {
+            if self.dual_stack {
+                format!("{v4},{v6}")
+            } else {
+                v4.to_owned()
+            }
+        };
+        let node_ips = both(
             &n.ip().to_string(),
-            "--devices",
-            EXTERNAL_DEVICE,
-            "--bpffs-dir",
-            &pin_dir.display().to_string(),
-            "--source",
-            source,
-            "--cluster-cidr",
-            CLUSTER_CIDR,
-            "--service-cidr",
-            SERVICE_CIDR,
-            "--health-bind-address",
-            &format!("0.0.0.0:{HEALTH_PORT}"),
-            "--metrics-bind-address",
-            &format!("{}:{METRICS_PORT}", n.ip()),
-            "--max-services",
-            "256",
-            "--max-backends",
-            "1024",
-            "--conntrack-entries",
-            "16384",
-            // `ip netns exec` hides /sys/fs/cgroup; connect-time translation is
-            // tested in-process (tests/east_west.rs).
-            "--cgroup-path",
-            "none",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
+            &n.host.ip6.map(|a| a.to_string()).unwrap_or_default(),
+        );
+        let cluster_cidr = both(CLUSTER_CIDR, crate::cluster::CLUSTER_CIDR6);
+        let service_cidr = both(SERVICE_CIDR, crate::services::SERVICE_CIDR6);
+        let pins = pin_dir.display().to_string();
+        let health = format!("0.0.0.0:{HEALTH_PORT}");
+        let metrics = format!("{}:{METRICS_PORT}", n.ip());
+        // The sandbox's settings, each of which `extra` may replace.
+        let defaults: [(&str, &str); 11] = [
+            ("--node-name", &n.name),
+            ("--node-ip", &node_ips),
+            // No --devices: the device holding the node IP (eth0) is found.
+            ("--bpffs-dir", &pins),
+            ("--source", source),
+            ("--cluster-cidr", &cluster_cidr),
+            ("--service-cidr", &service_cidr),
+            ("--health-bind-address", &health),
+            ("--metrics-bind-address", &metrics),
+            ("--max-services", "256"),
+            ("--max-backends", "1024"),
+            ("--conntrack-entries", "16384"),
+        ];
+        let mut args = vec!["run".to_owned()];
+        for (flag, value) in defaults {
+            if !extra.contains(&flag) {
+                args.extend([flag.to_owned(), value.to_owned()]);
+            }
+        }
+        if !extra.contains(&"--cgroup-path") {
+            // `ip netns exec` hides /sys/fs/cgroup: no connect-time
+            // translation unless the test gives a cgroup outside /sys
+            // (`CgroupDir::outside_sys`).
+            args.extend(["--cgroup-path".to_owned(), "none".to_owned()]);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut agent = AgentProcess {
             child: None,
             node,
             node_ip: n.ip(),
+            pin_dir: pin_dir.clone(),
             log: std::env::temp_dir().join(format!("{}-{}-agent.log", self.prefix(), n.name)),
             bin: bin.to_owned(),
             args,
@@ -167,8 +181,13 @@ impl AgentProcess {
     }
 
     /// GET `path` on the agent's health port, from inside the node.
-    pub fn http_get(ns: &NetNs, addr: SocketAddrV4, path: &str) -> std::io::Result<(u16, String)> {
-        let mut s = ns.run(|| TcpStream::connect_timeout(&addr.into(), Duration::from_secs(1)))?;
+    pub fn http_get(
+        ns: &NetNs,
+        addr: impl Into<std::net::SocketAddr>,
+        path: &str,
+    ) -> std::io::Result<(u16, String)> {
+        let addr = addr.into();
+        let mut s = ns.run(|| TcpStream::connect_timeout(&addr, Duration::from_secs(1)))?;
         s.set_read_timeout(Some(Duration::from_secs(2)))?;
         write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
         let mut out = String::new();
@@ -218,6 +237,52 @@ impl AgentProcess {
         self.kill9();
         self.start();
         self.wait_healthy(ns);
+    }
+
+    /// Sets `flag` to `value` for the next (re)start.
+    pub fn set_flag(&mut self, flag: &str, value: &str) {
+        match self.args.iter().position(|a| a == flag) {
+            Some(i) => self.args[i + 1] = value.to_owned(),
+            None => self.args.extend([flag.to_owned(), value.to_owned()]),
+        }
+    }
+
+    /// The `run` arguments of this agent.
+    pub fn run_args(&self) -> Vec<String> {
+        self.args.clone()
+    }
+
+    /// Runs the agent binary with `args` in this agent's node (another
+    /// `run` on the same pins, `cleanup`, `inspect`) and waits for it, at
+    /// most `timeout` (then it is killed).
+    pub fn run_in_node(&self, args: &[String], timeout: Duration) -> std::process::Output {
+        let mut child = Command::new("ip")
+            .args(["netns", "exec", &self.ns, &self.bin])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the agent binary");
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline && child.try_wait().ok().flatten().is_none() {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = child.kill();
+        child.wait_with_output().expect("agent output")
+    }
+
+    /// Waits until the agent exits by itself, at most `timeout`.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(status) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                self.child = None;
+                return Some(status);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
     }
 }
 

@@ -17,6 +17,38 @@ pub fn cgroup2_root() -> PathBuf {
         .expect("no cgroup v2 mount: the connect-time tests need cgroup2 (mount -t cgroup2 none /sys/fs/cgroup/unified)")
 }
 
+/// A second mount of the cgroup2 hierarchy, not under /sys.
+pub const OUTSIDE_SYS_MOUNT: &str = "/run/dataplane-tests/cgroup2";
+
+fn outside_sys_mounted() -> bool {
+    std::fs::read_to_string("/proc/mounts")
+        .expect("read /proc/mounts")
+        .lines()
+        .any(|l| {
+            let mut f = l.split_whitespace().skip(1);
+            f.next() == Some(OUTSIDE_SYS_MOUNT) && f.next() == Some("cgroup2")
+        })
+}
+
+/// Mounts cgroup2 at [`OUTSIDE_SYS_MOUNT`] when it is not mounted yet (the
+/// same hierarchy as the machine's cgroup2 mount: nothing new is created).
+fn ensure_outside_sys_mount() {
+    if outside_sys_mounted() {
+        return;
+    }
+    std::fs::create_dir_all(OUTSIDE_SYS_MOUNT).expect("create the cgroup2 mount point");
+    let out = std::process::Command::new("mount")
+        .args(["-t", "cgroup2", "none", OUTSIDE_SYS_MOUNT])
+        .output()
+        .expect("run mount");
+    // Another test process may have mounted it in the meantime.
+    assert!(
+        out.status.success() || outside_sys_mounted(),
+        "cannot mount cgroup2 at {OUTSIDE_SYS_MOUNT} (needs root): {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+}
+
 #[derive(Debug)]
 pub struct CgroupDir {
     path: PathBuf,
@@ -31,6 +63,18 @@ impl CgroupDir {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The same cgroup through a cgroup2 mount outside /sys, for processes
+    /// started with `ip netns exec` (which remounts /sys in its own mount
+    /// namespace, hiding /sys/fs/cgroup): agents given `--cgroup-path`.
+    pub fn outside_sys(&self) -> PathBuf {
+        ensure_outside_sys_mount();
+        let relative = self
+            .path
+            .strip_prefix(cgroup2_root())
+            .expect("a sandbox cgroup is under the cgroup2 root");
+        Path::new(OUTSIDE_SYS_MOUNT).join(relative)
     }
 
     /// The file a process writes its pid to, to join.

@@ -12,15 +12,25 @@
 //! address (10.244.N.1, held by every host-side veth of that node); the node
 //! has a /32 route per pod and routes the other node's pod CIDR via the other
 //! node's LAN address. IPv6 is disabled everywhere so counters only see what a
-//! test sends. Nothing here touches the root network namespace.
+//! test sends, except in a dual-stack sandbox ([`Cluster::dual_stack`]): there
+//! every host and pod also has an IPv6 address (LAN 2001:db8::/64, node `i`'s
+//! pods in fd00:10:244:(i+1)::/64, routed the same way), without router
+//! advertisements, autoconfiguration or duplicate address detection. Nothing
+//! here touches the root network namespace.
 //!
-//! Like frames from a physical wire, frames here carry complete checksums:
-//! transmit checksum offload is off on every veth (XDP sees raw frames and
-//! cannot know an skb's CHECKSUM_PARTIAL state). The switch ports run a
-//! pass-through XDP program (`xdp_floor`): veth delivers XDP_TX frames (the
-//! datapath's ICMP rejects) only to a peer that runs XDP.
+//! Two wirings ([`Wiring`]): like hosts on a physical wire (complete
+//! checksums, a pass-through XDP program on the switch ports so that a
+//! node's XDP_TX frames reach the switch: native XDP works on the nodes), or
+//! like kind/k3d nodes (veth as the kernel sets it up: partial checksums, no
+//! XDP on the peer).
+//!
+//! Three pod layouts ([`PodLayout`]), as CNIs wire pods: routed with
+//! `veth*` host ends (the above), routed with host ends named like no
+//! common CNI's (`pod3f2a…`), or a `cni0` bridge holding the pods' gateway
+//! 10.244.N.1/24 with the pods' veths as its ports (flannel, the `bridge`
+//! plugin).
 
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
 use crate::{
     bpffs::BpffsDir,
@@ -31,8 +41,18 @@ use crate::{
 pub const LAN_PREFIX_LEN: u8 = 24;
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
 pub const NODE_IPS: [Ipv4Addr; 2] = [Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 0, 12)];
+/// The LAN's IPv6 prefix length (2001:db8::/64) in a dual-stack sandbox.
+pub const LAN6_PREFIX_LEN: u8 = 64;
+pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x100);
+pub const NODE_IPS6: [Ipv6Addr; 2] = [
+    Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x11),
+    Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x12),
+];
 /// Pod CIDR of node `i` is 10.244.(i+1).0/24.
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
+/// The IPv6 cluster CIDR of a dual-stack sandbox: node `i`'s pods are in
+/// fd00:10:244:(i+1)::/64.
+pub const CLUSTER_CIDR6: &str = "fd00:10:244::/56";
 /// Name of the external device inside every host namespace.
 pub const EXTERNAL_DEVICE: &str = "eth0";
 
@@ -41,6 +61,8 @@ pub const EXTERNAL_DEVICE: &str = "eth0";
 pub struct Host {
     pub ns: NetNs,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address in a dual-stack sandbox.
+    pub ip6: Option<Ipv6Addr>,
 }
 
 /// A node: a host that forwards, with pods.
@@ -68,6 +90,22 @@ impl Node {
     pub fn pod_gateway(&self) -> Ipv4Addr {
         Ipv4Addr::new(10, 244, self.index as u8 + 1, 1)
     }
+    /// Its IPv6 address (dual-stack sandboxes only).
+    pub fn ip6(&self) -> Ipv6Addr {
+        self.host.ip6.expect("a dual-stack sandbox")
+    }
+    pub fn pod_cidr6(&self) -> String {
+        format!("fd00:10:244:{}::/64", self.index + 1)
+    }
+    pub fn pod_gateway6(&self) -> Ipv6Addr {
+        Ipv6Addr::new(0xfd00, 0x10, 0x244, self.index as u16 + 1, 0, 0, 0, 1)
+    }
+    /// Its addresses, IPv4 first.
+    pub fn ips(&self) -> Vec<IpAddr> {
+        std::iter::once(IpAddr::V4(self.ip()))
+            .chain(self.host.ip6.map(IpAddr::V6))
+            .collect()
+    }
 }
 
 /// A pod: its own namespace, `eth0` with a /32, host-side veth on its node.
@@ -76,17 +114,53 @@ pub struct Pod {
     pub name: String,
     pub ns: NetNs,
     pub ip: Ipv4Addr,
+    /// Its IPv6 address in a dual-stack sandbox.
+    pub ip6: Option<Ipv6Addr>,
     pub node: usize,
     /// Host-side veth name in the node namespace.
     pub host_veth: String,
 }
+
+/// How the LAN and the pods are wired.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wiring {
+    /// Like hosts on a wire: frames carry complete checksums (transmit
+    /// checksum offload off on every veth) and the switch ports run a
+    /// pass-through XDP program, so a node's XDP_TX frames reach the
+    /// switch. Native XDP works on the nodes' devices.
+    Wire,
+    /// Like kind, k3d or containerlab nodes: veth devices as the kernel
+    /// sets them up (checksum offload on: skbs arrive CHECKSUM_PARTIAL)
+    /// and no XDP program on the switch side, which drops XDP_TX frames.
+    VethNode,
+}
+
+/// How pods are wired to their node (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PodLayout {
+    /// A /32 route per pod through its veth, host ends named `veth…`; the
+    /// gateway address on every host end (kindnet- or Calico-like).
+    Routed,
+    /// As `Routed`, host ends named `pod3f2a…` (no common CNI's prefix).
+    RoutedUnusualNames,
+    /// A `cni0` bridge holding the gateway 10.244.N.1/24; pods on its
+    /// subnet, their veths its ports.
+    Bridge,
+}
+
+/// Name of the pod bridge in [`PodLayout::Bridge`].
+pub const POD_BRIDGE: &str = "cni0";
 
 /// The whole sandbox. Dropping it deletes every namespace (and so every
 /// device and attachment in them) and its bpffs directory; fields drop in
 /// declaration order, pods before nodes before the switch.
 pub struct Cluster {
     /// The switch ports' pass-through XDP (dropped, so detached, first).
-    _port_xdp: aya::Ebpf,
+    _port_xdp: Option<aya::Ebpf>,
+    pub wiring: Wiring,
+    pub layout: PodLayout,
+    /// Every host and pod also has an IPv6 address.
+    pub dual_stack: bool,
     pub pods: Vec<Pod>,
     pub nodes: Vec<Node>,
     pub client: Host,
@@ -99,17 +173,41 @@ impl Cluster {
     /// Builds client, switch and two nodes. Panics with a clear message when
     /// the machine cannot (not root, no network namespaces).
     pub fn new() -> Self {
+        Self::with_wiring(Wiring::Wire)
+    }
+
+    /// Builds client, switch and two nodes, wired as `wiring` says.
+    pub fn with_wiring(wiring: Wiring) -> Self {
+        Self::with_layout(wiring, PodLayout::Routed)
+    }
+
+    /// Builds client, switch and two nodes, wired as `wiring` says, whose
+    /// pods will be wired as `layout` says.
+    pub fn with_layout(wiring: Wiring, layout: PodLayout) -> Self {
+        Self::build(wiring, layout, false)
+    }
+
+    /// A dual-stack sandbox: as [`Cluster::with_layout`], every host and
+    /// pod with an IPv6 address too.
+    pub fn dual_stack(wiring: Wiring, layout: PodLayout) -> Self {
+        Self::build(wiring, layout, true)
+    }
+
+    fn build(wiring: Wiring, layout: PodLayout, dual_stack: bool) -> Self {
         crate::require_privileges();
         let prefix = unique_prefix();
         let switch = NetNs::new(&format!("{prefix}-sw"));
         quiet_ipv6(&switch);
-        switch.ip_batch("link add br0 type bridge\nlink set br0 up\n");
+        // Without multicast snooping the bridge floods neighbour
+        // solicitations as a plain segment would.
+        switch.ip_batch("link add br0 type bridge mcast_snooping 0\nlink set br0 up\n");
 
         let client = Host {
             ns: NetNs::new(&format!("{prefix}-client")),
             ip: CLIENT_IP,
+            ip6: dual_stack.then_some(CLIENT_IP6),
         };
-        plug_into_lan(&client, &switch, "client");
+        plug_into_lan(&client, &switch, "client", wiring);
 
         let nodes: Vec<Node> = NODE_IPS
             .iter()
@@ -119,9 +217,13 @@ impl Cluster {
                 let host = Host {
                     ns: NetNs::new(&format!("{prefix}-{name}")),
                     ip,
+                    ip6: dual_stack.then_some(NODE_IPS6[index]),
                 };
-                plug_into_lan(&host, &switch, &name);
+                plug_into_lan(&host, &switch, &name, wiring);
                 host.ns.sysctl("net/ipv4/ip_forward", "1");
+                if dual_stack {
+                    host.ns.sysctl("net/ipv6/conf/all/forwarding", "1");
+                }
                 // Translated flows are forwarded out the device they came in
                 // on; redirects to the client would only be noise.
                 for key in ["all", "default", EXTERNAL_DEVICE] {
@@ -137,17 +239,41 @@ impl Cluster {
                 }
             })
             .collect();
+        if layout == PodLayout::Bridge {
+            for node in &nodes {
+                node.ns().ip_batch(&format!(
+                    "link add {POD_BRIDGE} type bridge\n\
+                     addr add {}/24 dev {POD_BRIDGE}\n\
+                     link set {POD_BRIDGE} up\n",
+                    node.pod_gateway()
+                ));
+                if dual_stack {
+                    node.ns().ip_batch(&format!(
+                        "addr add {}/64 dev {POD_BRIDGE} nodad\n",
+                        node.pod_gateway6()
+                    ));
+                }
+            }
+        }
         // Each node reaches the other node's pods through the other node.
         for node in &nodes {
             let other = &nodes[1 - node.index];
             node.ns()
                 .ip_batch(&format!("route add {} via {}\n", other.pod_cidr(), other.ip()));
+            if dual_stack {
+                node.ns()
+                    .ip_batch(&format!("route add {} via {}\n", other.pod_cidr6(), other.ip6()));
+            }
         }
 
-        let port_xdp = switch.run(|| pass_through_xdp(&["client", "node1", "node2"]));
+        let port_xdp =
+            (wiring == Wiring::Wire).then(|| switch.run(|| pass_through_xdp(&["client", "node1", "node2"])));
         let bpffs = BpffsDir::new(&prefix);
         Self {
             _port_xdp: port_xdp,
+            wiring,
+            layout,
+            dual_stack,
             pods: Vec::new(),
             nodes,
             client,
@@ -165,32 +291,82 @@ impl Cluster {
         let host_byte = n.next_pod;
         n.next_pod += 1;
         let ip = Ipv4Addr::new(10, 244, node as u8 + 1, host_byte);
+        let ip6 = self
+            .dual_stack
+            .then(|| Ipv6Addr::new(0xfd00, 0x10, 0x244, node as u16 + 1, 0, 0, 0, host_byte as u16));
         let gw = n.pod_gateway();
+        let gw6 = n.pod_gateway6();
         let ns = NetNs::new(&format!("{}-p{index}", self.prefix));
-        quiet_ipv6(&ns);
+        if self.dual_stack {
+            ipv6_on(&ns);
+        } else {
+            quiet_ipv6(&ns);
+        }
         // Host-side name: unique per node, at most 15 bytes.
-        let host_veth = format!("veth{index}{}", &name[..name.len().min(9)]);
-        n.ns().ip_batch(&format!(
-            "link add {host_veth} type veth peer name eth0 netns {pod}\n\
-             addr add {gw}/32 dev {host_veth}\n\
-             link set {host_veth} up\n\
-             route add {ip}/32 dev {host_veth} scope link\n",
-            pod = ns.name(),
-        ));
-        n.ns()
-            .sysctl(&format!("net/ipv4/conf/{host_veth}/rp_filter"), "0");
-        n.ns().ethtool_features(&host_veth, &["tx", "off"]);
-        ns.ethtool_features("eth0", &["tx", "off"]);
-        ns.ip_batch(&format!(
-            "addr add {ip}/32 dev eth0\n\
-             link set eth0 up\n\
-             route add {gw} dev eth0 scope link\n\
-             route add default via {gw} dev eth0\n"
-        ));
+        let host_veth = match self.layout {
+            PodLayout::Routed => format!("veth{index}{}", &name[..name.len().min(9)]),
+            PodLayout::RoutedUnusualNames => format!("pod3f2a{index}"),
+            PodLayout::Bridge => format!("veth{:08x}", 0x3f2a_0000 + index),
+        };
+        let pod = ns.name();
+        if self.layout == PodLayout::Bridge {
+            n.ns().ip_batch(&format!(
+                "link add {host_veth} type veth peer name eth0 netns {pod}\n\
+                 link set {host_veth} master {POD_BRIDGE}\n\
+                 link set {host_veth} up\n"
+            ));
+        } else {
+            n.ns().ip_batch(&format!(
+                "link add {host_veth} type veth peer name eth0 netns {pod}\n\
+                 addr add {gw}/32 dev {host_veth}\n\
+                 link set {host_veth} up\n\
+                 route add {ip}/32 dev {host_veth} scope link\n"
+            ));
+            n.ns()
+                .sysctl(&format!("net/ipv4/conf/{host_veth}/rp_filter"), "0");
+        }
+        if self.wiring == Wiring::Wire {
+            n.ns().ethtool_features(&host_veth, &["tx", "off"]);
+            ns.ethtool_features("eth0", &["tx", "off"]);
+        }
+        if self.layout == PodLayout::Bridge {
+            ns.ip_batch(&format!(
+                "addr add {ip}/24 dev eth0\n\
+                 link set eth0 up\n\
+                 route add default via {gw} dev eth0\n"
+            ));
+        } else {
+            ns.ip_batch(&format!(
+                "addr add {ip}/32 dev eth0\n\
+                 link set eth0 up\n\
+                 route add {gw} dev eth0 scope link\n\
+                 route add default via {gw} dev eth0\n"
+            ));
+        }
+        if let Some(ip6) = ip6 {
+            if self.layout == PodLayout::Bridge {
+                ns.ip_batch(&format!(
+                    "addr add {ip6}/64 dev eth0 nodad\n\
+                     route add default via {gw6} dev eth0\n"
+                ));
+            } else {
+                // The gateway on every host end, as for IPv4.
+                n.ns().ip_batch(&format!(
+                    "addr add {gw6}/128 dev {host_veth} nodad\n\
+                     route add {ip6}/128 dev {host_veth}\n"
+                ));
+                ns.ip_batch(&format!(
+                    "addr add {ip6}/128 dev eth0 nodad\n\
+                     route add {gw6} dev eth0\n\
+                     route add default via {gw6} dev eth0\n"
+                ));
+            }
+        }
         self.pods.push(Pod {
             name: name.to_owned(),
             ns,
             ip,
+            ip6,
             node,
             host_veth,
         });
@@ -204,12 +380,17 @@ impl Cluster {
             .unwrap_or_else(|| panic!("no pod named {name}"))
     }
 
-    /// The external client reaches `prefix` (e.g. an LB IP range) through
-    /// node `node`, as an upstream router would route it.
+    /// The external client reaches `prefix` (e.g. an LB IP range, either
+    /// family) through node `node`, as an upstream router would route it.
     pub fn route_from_client(&self, prefix: &str, node: usize) {
+        let via: IpAddr = if prefix.contains(':') {
+            self.nodes[node].ip6().into()
+        } else {
+            self.nodes[node].ip().into()
+        };
         self.client
             .ns
-            .ip_batch(&format!("route replace {prefix} via {}\n", self.nodes[node].ip()));
+            .ip_batch(&format!("route replace {prefix} via {via}\n"));
     }
 
     /// Prefix of every name this sandbox owns (namespaces, bpffs directory).
@@ -234,9 +415,31 @@ fn quiet_ipv6(ns: &NetNs) {
     ns.sysctl("net/ipv6/conf/default/disable_ipv6", "1");
 }
 
-/// Gives `host` an `eth0` on the LAN bridge with its address.
-fn plug_into_lan(host: &Host, switch: &NetNs, port: &str) {
-    quiet_ipv6(&host.ns);
+/// IPv6 on, as a statically configured host: no router advertisements or
+/// solicitations, no autoconfiguration, no duplicate address detection
+/// (addresses are usable at once).
+fn ipv6_on(ns: &NetNs) {
+    for key in ["all", "default"] {
+        for (name, value) in [
+            ("accept_ra", "0"),
+            ("autoconf", "0"),
+            ("router_solicitations", "0"),
+            ("accept_dad", "0"),
+            ("dad_transmits", "0"),
+            ("disable_ipv6", "0"),
+        ] {
+            ns.sysctl(&format!("net/ipv6/conf/{key}/{name}"), value);
+        }
+    }
+}
+
+/// Gives `host` an `eth0` on the LAN bridge with its address(es).
+fn plug_into_lan(host: &Host, switch: &NetNs, port: &str, wiring: Wiring) {
+    if host.ip6.is_some() {
+        ipv6_on(&host.ns);
+    } else {
+        quiet_ipv6(&host.ns);
+    }
     for key in ["all", "default"] {
         host.ns.sysctl(&format!("net/ipv4/conf/{key}/rp_filter"), "0");
     }
@@ -247,17 +450,24 @@ fn plug_into_lan(host: &Host, switch: &NetNs, port: &str) {
         sw = switch.name(),
         ip = host.ip,
     ));
+    if let Some(ip6) = host.ip6 {
+        host.ns.ip_batch(&format!(
+            "addr add {ip6}/{LAN6_PREFIX_LEN} dev {EXTERNAL_DEVICE} nodad\n"
+        ));
+    }
     ip_batch(
         switch.name(),
         &format!("link set {port} master br0\nlink set {port} up\n"),
     );
-    host.ns.ethtool_features(EXTERNAL_DEVICE, &["tx", "off"]);
-    switch.ethtool_features(port, &["tx", "off"]);
+    if wiring == Wiring::Wire {
+        host.ns.ethtool_features(EXTERNAL_DEVICE, &["tx", "off"]);
+        switch.ethtool_features(port, &["tx", "off"]);
+    }
 }
 
 /// Loads the datapath object with minimal maps and attaches its
 /// `xdp_floor` (parse, pass) to `ports` of the calling thread's namespace.
-fn pass_through_xdp(ports: &[&str]) -> aya::Ebpf {
+pub fn pass_through_xdp(ports: &[&str]) -> aya::Ebpf {
     use dataplane_common::names;
     let mut loader = aya::EbpfLoader::new();
     for map in names::ALL_MAPS {

@@ -8,7 +8,7 @@
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
     os::fd::AsRawFd as _,
     sync::{
         Arc,
@@ -29,12 +29,12 @@ pub struct EchoReply {
     /// The server's name (the pod name, usually).
     pub server: String,
     /// The source address the server saw.
-    pub peer: SocketAddrV4,
+    pub peer: SocketAddr,
     pub payload: String,
 }
 
 impl EchoReply {
-    fn parse(line: &str) -> Self {
+    pub(crate) fn parse(line: &str) -> Self {
         let mut parts = line.trim_end_matches('\n').splitn(3, ' ');
         let server = parts.next().unwrap_or_default().to_owned();
         let peer = parts
@@ -50,14 +50,14 @@ impl EchoReply {
     }
 }
 
-fn answer(server: &str, peer: SocketAddr, request: &str) -> String {
+pub(crate) fn answer(server: &str, peer: SocketAddr, request: &str) -> String {
     format!("{server} {peer} {request}\n")
 }
 
 /// A running echo server; stopped (socket closed, thread joined) on drop.
 #[derive(Debug)]
 pub struct EchoServer {
-    pub addr: SocketAddrV4,
+    pub addr: SocketAddr,
     stop: Arc<AtomicBool>,
     fd: i32,
     thread: Option<JoinHandle<()>>,
@@ -65,13 +65,13 @@ pub struct EchoServer {
 
 impl EchoServer {
     /// Starts a TCP echo server named `name` listening on `addr` in `ns`.
-    pub fn tcp(ns: &NetNs, name: &str, addr: SocketAddrV4) -> Self {
-        Self::tcp_with(ns, name, addr, serve_tcp)
+    pub fn tcp(ns: &NetNs, name: &str, addr: impl Into<SocketAddr>) -> Self {
+        Self::tcp_with(ns, name, addr.into(), serve_tcp)
     }
 
     /// A TCP server on `addr` in `ns` running `serve(name, connection)` on
     /// a thread per connection.
-    fn tcp_with(ns: &NetNs, name: &str, addr: SocketAddrV4, serve: fn(&str, TcpStream)) -> Self {
+    fn tcp_with(ns: &NetNs, name: &str, addr: SocketAddr, serve: fn(&str, TcpStream)) -> Self {
         let listener = ns
             .run(|| TcpListener::bind(addr))
             .unwrap_or_else(|e| panic!("bind tcp {addr} in {}: {e}", ns.name()));
@@ -97,7 +97,8 @@ impl EchoServer {
     }
 
     /// Starts a UDP echo server named `name` bound to `addr` in `ns`.
-    pub fn udp(ns: &NetNs, name: &str, addr: SocketAddrV4) -> Self {
+    pub fn udp(ns: &NetNs, name: &str, addr: impl Into<SocketAddr>) -> Self {
+        let addr = addr.into();
         let socket = ns
             .run(|| UdpSocket::bind(addr))
             .unwrap_or_else(|e| panic!("bind udp {addr} in {}: {e}", ns.name()));
@@ -161,8 +162,9 @@ pub struct TcpClient {
 
 impl TcpClient {
     /// Connects from `ns` to `dst` (optionally from a fixed `src`).
-    pub fn connect(ns: &NetNs, dst: SocketAddrV4) -> std::io::Result<Self> {
-        let stream = ns.run(|| TcpStream::connect_timeout(&dst.into(), CLIENT_TIMEOUT))?;
+    pub fn connect(ns: &NetNs, dst: impl Into<SocketAddr>) -> std::io::Result<Self> {
+        let dst = dst.into();
+        let stream = ns.run(|| TcpStream::connect_timeout(&dst, CLIENT_TIMEOUT))?;
         stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
         stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
         Ok(Self {
@@ -187,7 +189,7 @@ impl TcpClient {
 }
 
 /// Connects, sends one request, returns the answer, closes.
-pub fn tcp_request(ns: &NetNs, dst: SocketAddrV4, payload: &str) -> std::io::Result<EchoReply> {
+pub fn tcp_request(ns: &NetNs, dst: impl Into<SocketAddr>, payload: &str) -> std::io::Result<EchoReply> {
     TcpClient::connect(ns, dst)?.request(payload)
 }
 
@@ -198,9 +200,10 @@ pub struct UdpClient {
 }
 
 impl UdpClient {
-    pub fn connect(ns: &NetNs, dst: SocketAddrV4) -> std::io::Result<Self> {
+    pub fn connect(ns: &NetNs, dst: impl Into<SocketAddr>) -> std::io::Result<Self> {
+        let dst = dst.into();
         let socket = ns.run(|| -> std::io::Result<UdpSocket> {
-            let s = UdpSocket::bind("0.0.0.0:0")?;
+            let s = UdpSocket::bind(if dst.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" })?;
             s.connect(dst)?;
             Ok(s)
         })?;
@@ -223,7 +226,7 @@ impl UdpClient {
 }
 
 /// One UDP request/response from a fresh socket.
-pub fn udp_request(ns: &NetNs, dst: SocketAddrV4, payload: &str) -> std::io::Result<EchoReply> {
+pub fn udp_request(ns: &NetNs, dst: impl Into<SocketAddr>, payload: &str) -> std::io::Result<EchoReply> {
     UdpClient::connect(ns, dst)?.request(payload)
 }
 
@@ -235,13 +238,13 @@ pub struct HttpServer {
 }
 
 impl HttpServer {
-    pub fn start(ns: &NetNs, name: &str, addr: SocketAddrV4) -> Self {
+    pub fn start(ns: &NetNs, name: &str, addr: impl Into<SocketAddr>) -> Self {
         Self {
-            inner: EchoServer::tcp_with(ns, name, addr, serve_http),
+            inner: EchoServer::tcp_with(ns, name, addr.into(), serve_http),
         }
     }
 
-    pub fn addr(&self) -> SocketAddrV4 {
+    pub fn addr(&self) -> SocketAddr {
         self.inner.addr
     }
 }
@@ -265,8 +268,9 @@ fn serve_http(name: &str, conn: TcpStream) {
 }
 
 /// GET / from `ns`; the response body.
-pub fn http_get(ns: &NetNs, dst: SocketAddrV4) -> std::io::Result<String> {
-    let stream = ns.run(|| TcpStream::connect_timeout(&dst.into(), CLIENT_TIMEOUT))?;
+pub fn http_get(ns: &NetNs, dst: impl Into<SocketAddr>) -> std::io::Result<String> {
+    let dst = dst.into();
+    let stream = ns.run(|| TcpStream::connect_timeout(&dst, CLIENT_TIMEOUT))?;
     stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
     (&stream).write_all(format!("GET / HTTP/1.1\r\nHost: {dst}\r\nConnection: close\r\n\r\n").as_bytes())?;
     let mut text = String::new();
@@ -275,4 +279,33 @@ pub fn http_get(ns: &NetNs, dst: SocketAddrV4) -> std::io::Result<String> {
         .split_once("\r\n\r\n")
         .map(|(_, b)| b.trim_end().to_owned())
         .unwrap_or_default())
+}
+
+/// Runs the `sockclient` helper (`bin`, the test's
+/// `env!("CARGO_BIN_EXE_sockclient")`) as a process of the network
+/// namespace at `netns` joined to the cgroup whose `cgroup.procs` is
+/// `procs`, talking to the echo server at `dst` in `mode` (`tcp`,
+/// `udp-connected`, `udp-unconnected`): (the peer its socket reports, the
+/// reply), or what it printed instead (its `error=` kind when it has one).
+pub fn sockclient(
+    bin: &str,
+    netns: &std::path::Path,
+    procs: &std::path::Path,
+    mode: &str,
+    dst: impl Into<SocketAddr>,
+) -> Result<(String, String), String> {
+    let out = std::process::Command::new(bin)
+        .arg(netns)
+        .arg(procs)
+        .args([mode, &dst.into().to_string()])
+        .output()
+        .expect("run sockclient");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let field = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).map(str::to_owned);
+    match (field("peer="), field("reply=")) {
+        (Some(p), Some(r)) => Ok((p, r)),
+        _ => {
+            Err(field("error=").unwrap_or_else(|| format!("{text}{}", String::from_utf8_lossy(&out.stderr))))
+        }
+    }
 }

@@ -3,6 +3,14 @@
 //! (expired watches force a relist), dropped connections, label and field
 //! selectors. Enough to drive kube-rs watchers; it also records the Events
 //! clients post.
+//!
+//! Objects can also be read and written one by one (`GET`, `POST`, `PUT`,
+//! `DELETE`, and `PUT .../status` for Services and LoadBalancerIPPools) with
+//! the API server's optimistic concurrency: a write whose resourceVersion is
+//! not the object's current one gets 409 Conflict, and
+//! [`FakeApiServer::conflict_next_status_writes`] makes a concurrent writer
+//! win the next status writes. Leases are served namespaced, pools
+//! cluster-scoped.
 
 use std::{
     collections::BTreeMap,
@@ -17,11 +25,19 @@ use serde_json::{Value, json};
 use crate::netns::NetNs;
 
 /// The collections served: (URL path, List kind).
-const RESOURCES: [(&str, &str); 3] = [
+const RESOURCES: [(&str, &str); 5] = [
     ("/api/v1/services", "ServiceList"),
     ("/apis/discovery.k8s.io/v1/endpointslices", "EndpointSliceList"),
     ("/api/v1/nodes", "NodeList"),
+    ("/apis/coordination.k8s.io/v1/leases", "LeaseList"),
+    (
+        "/apis/dataplane.example.com/v1alpha1/loadbalancerippools",
+        "LoadBalancerIPPoolList",
+    ),
 ];
+
+/// Collections with a status subresource: a plain `PUT` keeps the status.
+const WITH_STATUS: [&str; 2] = [RESOURCES[0].0, RESOURCES[4].0];
 
 #[derive(Default)]
 struct State {
@@ -35,6 +51,8 @@ struct State {
     watchers: Vec<Watcher>,
     events: Vec<Value>,
     requests: Vec<String>,
+    /// Status writes still to lose against a concurrent writer.
+    status_conflicts: usize,
 }
 
 struct Watcher {
@@ -48,12 +66,30 @@ struct Filter {
     /// Labels that must be absent (`!key`).
     without_labels: Vec<String>,
     name: Option<String>,
+    /// Labels that must be present (`key`), with a value (`key=value`).
+    with_labels: Vec<(String, Option<String>)>,
+    /// A namespaced collection's namespace.
+    namespace: Option<String>,
 }
 
 impl Filter {
     fn matches(&self, obj: &Value) -> bool {
         let labels = &obj["metadata"]["labels"];
         if self.without_labels.iter().any(|l| !labels[l].is_null()) {
+            return false;
+        }
+        if self
+            .with_labels
+            .iter()
+            .any(|(k, v)| labels[k].is_null() || v.as_ref().is_some_and(|v| labels[k] != *v.as_str()))
+        {
+            return false;
+        }
+        if self
+            .namespace
+            .as_ref()
+            .is_some_and(|ns| obj["metadata"]["namespace"] != *ns.as_str())
+        {
             return false;
         }
         self.name
@@ -80,6 +116,8 @@ fn collection_of(kind: &str) -> &'static str {
         "Service" => RESOURCES[0].0,
         "EndpointSlice" => RESOURCES[1].0,
         "Node" => RESOURCES[2].0,
+        "Lease" => RESOURCES[3].0,
+        "LoadBalancerIPPool" => RESOURCES[4].0,
         other => panic!("the fake API server does not serve {other}"),
     }
 }
@@ -106,8 +144,14 @@ fn percent_decode(s: &str) -> String {
 impl FakeApiServer {
     /// Listens on 127.0.0.1 (an ephemeral port) inside `ns`.
     pub fn start(ns: &NetNs) -> Self {
+        Self::start_at(ns, "127.0.0.1:0")
+    }
+
+    /// Listens on `addr` inside `ns` (an address of the sandbox's LAN, for
+    /// agents on several nodes).
+    pub fn start_at(ns: &NetNs, addr: &str) -> Self {
         let listener = ns
-            .run(|| TcpListener::bind("127.0.0.1:0"))
+            .run(|| TcpListener::bind(addr))
             .expect("bind the fake API server");
         let addr = listener.local_addr().unwrap();
         let state = Arc::new(Mutex::new(State {
@@ -142,6 +186,28 @@ impl FakeApiServer {
             v["metadata"]["uid"] = json!(format!("uid-{}", key(&v).replace('/', "-")));
         }
         let k = (collection, key(&v));
+        // As the API server: creation time and generation are its own, and
+        // an update without a status keeps the status (a subresource).
+        let old = s.objects.get(&k).cloned();
+        let created = old
+            .as_ref()
+            .map(|o| o["metadata"]["creationTimestamp"].clone())
+            .unwrap_or_else(|| json!(now_rfc3339()));
+        if v["metadata"]["creationTimestamp"].is_null() {
+            v["metadata"]["creationTimestamp"] = created;
+        }
+        if v["metadata"]["generation"].is_null() {
+            v["metadata"]["generation"] = old.as_ref().map_or(json!(1), |o| {
+                json!(o["metadata"]["generation"].as_i64().unwrap_or(1) + 1)
+            });
+        }
+        if let Some(old) = &old
+            && v.get("status").is_none_or(Value::is_null)
+            && WITH_STATUS.contains(&collection)
+            && !old["status"].is_null()
+        {
+            v["status"] = old["status"].clone();
+        }
         let kind = if s.objects.contains_key(&k) {
             "MODIFIED"
         } else {
@@ -223,6 +289,241 @@ impl FakeApiServer {
     pub fn watch_count(&self) -> usize {
         self.state.lock().unwrap().watchers.len()
     }
+
+    /// The stored object (`namespace` empty for cluster-scoped kinds).
+    pub fn get(&self, kind: &str, namespace: &str, name: &str) -> Option<Value> {
+        let collection = collection_of(kind);
+        self.state
+            .lock()
+            .unwrap()
+            .objects
+            .get(&(collection, format!("{namespace}/{name}")))
+            .cloned()
+    }
+
+    /// Every stored object of `kind`.
+    pub fn list(&self, kind: &str) -> Vec<Value> {
+        let collection = collection_of(kind);
+        self.state
+            .lock()
+            .unwrap()
+            .objects
+            .iter()
+            .filter(|((c, _), _)| *c == collection)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    /// The next `n` status writes lose a race: a concurrent writer changes
+    /// the object first (an annotation, so its resourceVersion moves on), and
+    /// the write gets 409 Conflict.
+    pub fn conflict_next_status_writes(&self, n: usize) {
+        self.state.lock().unwrap().status_conflicts = n;
+    }
+
+    /// Requests other than lists and watches, as `METHOD path` and the
+    /// answer's status code (`PUT /api/v1/namespaces/default/services/web/status 409`).
+    pub fn writes(&self) -> Vec<String> {
+        self.state
+            .lock()
+            .unwrap()
+            .requests
+            .iter()
+            .filter(|r| !r.starts_with("LIST ") && !r.starts_with("WATCH "))
+            .cloned()
+            .collect()
+    }
+}
+
+fn now_rfc3339() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil from days (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// A request path: its collection, and namespace, name and subresource when
+/// present (`/apis/coordination.k8s.io/v1/namespaces/ns/leases/l`).
+struct Route {
+    collection: &'static str,
+    list_kind: &'static str,
+    namespace: Option<String>,
+    name: Option<String>,
+    subresource: Option<String>,
+}
+
+impl Route {
+    fn parse(path: &str) -> Option<Self> {
+        let segs: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+        let prefix_len = match segs.first() {
+            Some(&"api") => 2,
+            Some(&"apis") => 3,
+            _ => return None,
+        };
+        let prefix = format!("/{}", segs.get(..prefix_len)?.join("/"));
+        let mut rest = &segs[prefix_len..];
+        let mut namespace = None;
+        if rest.len() >= 3 && rest[0] == "namespaces" {
+            namespace = Some(rest[1].to_owned());
+            rest = &rest[2..];
+        }
+        let plural = rest.first()?;
+        let (collection, list_kind) = RESOURCES
+            .iter()
+            .find(|(p, _)| *p == format!("{prefix}/{plural}"))
+            .copied()?;
+        Some(Self {
+            collection,
+            list_kind,
+            namespace,
+            name: rest.get(1).map(|s| s.to_string()),
+            subresource: rest.get(2).map(|s| s.to_string()),
+        })
+    }
+}
+
+fn status_body(code: u16, reason: &str, message: &str) -> String {
+    json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": message, "reason": reason, "code": code})
+    .to_string()
+}
+
+/// (status line, body) of a read or write of one object.
+fn object_request(s: &mut State, method: &str, route: &Route, body: &[u8]) -> (&'static str, String) {
+    let conflict = |what: &str| ("409 Conflict", status_body(409, "Conflict", what));
+    let not_found = || ("404 Not Found", status_body(404, "NotFound", "not found"));
+    let ns = route.namespace.clone().unwrap_or_default();
+    let collection = route.collection;
+    let posted: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let Some(name) = route.name.clone() else {
+        if method != "POST" {
+            return (
+                "405 Method Not Allowed",
+                status_body(405, "MethodNotAllowed", method),
+            );
+        }
+        let mut v = posted;
+        if route.namespace.is_some() {
+            v["metadata"]["namespace"] = json!(ns);
+        }
+        let k = (collection, key(&v));
+        if s.objects.contains_key(&k) {
+            return (
+                "409 Conflict",
+                status_body(409, "AlreadyExists", "already exists"),
+            );
+        }
+        s.rv += 1;
+        v["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+        v["metadata"]["uid"] = json!(format!("uid-{}-{}", k.1.replace('/', "-"), s.rv));
+        v["metadata"]["creationTimestamp"] = json!(now_rfc3339());
+        v["metadata"]["generation"] = json!(1);
+        s.objects.insert(k, v.clone());
+        s.history.push((s.rv, collection, "ADDED", v.clone()));
+        notify(s, collection, "ADDED", &v);
+        return ("201 Created", v.to_string());
+    };
+    let k = (collection, format!("{ns}/{name}"));
+    let Some(current) = s.objects.get(&k).cloned() else {
+        return not_found();
+    };
+    let rv_matches = |v: &Value| {
+        let want = &v["metadata"]["resourceVersion"];
+        want.is_null() || *want == current["metadata"]["resourceVersion"]
+    };
+    let mut next = match (method, route.subresource.as_deref()) {
+        ("GET", None | Some("status")) => return ("200 OK", current.to_string()),
+        ("PUT", Some("status")) => {
+            if s.status_conflicts > 0 {
+                s.status_conflicts -= 1;
+                let mut theirs = current.clone();
+                let n = theirs["metadata"]["annotations"]["fake-api/concurrent-writes"]
+                    .as_str()
+                    .and_then(|n| n.parse::<u64>().ok())
+                    .unwrap_or(0);
+                theirs["metadata"]["annotations"]["fake-api/concurrent-writes"] = json!((n + 1).to_string());
+                s.rv += 1;
+                theirs["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+                s.objects.insert(k, theirs.clone());
+                s.history.push((s.rv, collection, "MODIFIED", theirs.clone()));
+                notify(s, collection, "MODIFIED", &theirs);
+                return conflict(
+                    "the object has been modified; please apply your changes to the latest version and try again",
+                );
+            }
+            if !rv_matches(&posted) {
+                return conflict(
+                    "the object has been modified; please apply your changes to the latest version and try again",
+                );
+            }
+            let mut v = current.clone();
+            v["status"] = posted["status"].clone();
+            v
+        }
+        ("PUT", None) => {
+            if !rv_matches(&posted) {
+                return conflict(
+                    "the object has been modified; please apply your changes to the latest version and try again",
+                );
+            }
+            let mut v = posted;
+            for field in ["uid", "creationTimestamp", "namespace", "name"] {
+                v["metadata"][field] = current["metadata"][field].clone();
+            }
+            if WITH_STATUS.contains(&collection) {
+                v["status"] = current["status"].clone();
+            }
+            let generation = current["metadata"]["generation"].as_i64().unwrap_or(1);
+            v["metadata"]["generation"] = json!(if v["spec"] != current["spec"] {
+                generation + 1
+            } else {
+                generation
+            });
+            v
+        }
+        ("DELETE", None) => {
+            let want = &posted["preconditions"]["resourceVersion"];
+            if !want.is_null() && *want != current["metadata"]["resourceVersion"] {
+                return conflict("precondition failed: resourceVersion");
+            }
+            s.objects.remove(&k);
+            s.rv += 1;
+            let mut v = current;
+            v["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+            s.history.push((s.rv, collection, "DELETED", v.clone()));
+            notify(s, collection, "DELETED", &v);
+            return ("200 OK", v.to_string());
+        }
+        _ => {
+            return (
+                "405 Method Not Allowed",
+                status_body(405, "MethodNotAllowed", method),
+            );
+        }
+    };
+    s.rv += 1;
+    next["metadata"]["resourceVersion"] = json!(s.rv.to_string());
+    s.objects.insert(k, next.clone());
+    s.history.push((s.rv, collection, "MODIFIED", next.clone()));
+    notify(s, collection, "MODIFIED", &next);
+    ("200 OK", next.to_string())
 }
 
 fn notify(s: &mut State, collection: &'static str, kind: &str, obj: &Value) {
@@ -278,34 +579,68 @@ fn serve(mut conn: TcpStream, state: &Mutex<State>) -> std::io::Result<()> {
         let status = if method == "POST" { "201 Created" } else { "200 OK" };
         return respond(&mut conn, status, &v.to_string());
     }
-    let Some((collection, list_kind)) = RESOURCES.iter().find(|(p, _)| *p == path).copied() else {
+    let Some(route) = Route::parse(path) else {
         return respond(&mut conn, "404 Not Found", r#"{"kind":"Status","code":404}"#);
     };
+    if route.name.is_some() || method != "GET" {
+        let mut s = state.lock().unwrap();
+        let (status, answer) = object_request(&mut s, &method, &route, &body);
+        s.requests.push(format!("{method} {path} {}", &status[..3]));
+        drop(s);
+        return respond(&mut conn, status, &answer);
+    }
+    let (collection, list_kind) = (route.collection, route.list_kind);
+    let selector = params.get("labelSelector").cloned().unwrap_or_default();
+    let terms = selector.split(',').filter(|t| !t.is_empty());
     let filter = Filter {
-        without_labels: params
-            .get("labelSelector")
-            .map(|s| {
-                s.split(',')
-                    .filter_map(|t| t.strip_prefix('!'))
-                    .map(str::to_owned)
-                    .collect()
-            })
-            .unwrap_or_default(),
+        without_labels: terms
+            .clone()
+            .filter_map(|t| t.strip_prefix('!'))
+            .map(str::to_owned)
+            .collect(),
         name: params
             .get("fieldSelector")
             .and_then(|f| f.strip_prefix("metadata.name="))
             .map(str::to_owned),
+        with_labels: terms
+            .filter(|t| !t.starts_with('!'))
+            .map(|t| match t.split_once('=') {
+                Some((k, v)) => (k.to_owned(), Some(v.to_owned())),
+                None => (t.to_owned(), None),
+            })
+            .collect(),
+        namespace: route.namespace,
     };
     let mut s = state.lock().unwrap();
     if params.get("watch").map(String::as_str) != Some("true") {
         s.requests.push(format!("LIST {collection}"));
-        let items: Vec<&Value> = s
+        // Pages as the API server serves them (`limit`, `continue`: here
+        // the key to start after).
+        let limit: usize = params
+            .get("limit")
+            .and_then(|l| l.parse().ok())
+            .filter(|l| *l > 0)
+            .unwrap_or(usize::MAX);
+        let after = params.get("continue").cloned().unwrap_or_default();
+        let mut items: Vec<&Value> = Vec::new();
+        let mut next = None;
+        for (_, v) in s
             .objects
-            .iter()
-            .filter(|((c, _), v)| *c == collection && filter.matches(v))
-            .map(|(_, v)| v)
-            .collect();
-        let list = json!({"kind": list_kind, "apiVersion": "v1", "metadata": {"resourceVersion": s.rv.to_string()}, "items": items});
+            .range((collection, after.clone())..)
+            .take_while(|((c, _), _)| *c == collection)
+            .filter(|((_, k), v)| *k != after && filter.matches(v))
+        {
+            if items.len() == limit {
+                next = Some(items.last().map(|v| key(v)).unwrap_or_default());
+                break;
+            }
+            items.push(v);
+        }
+        let mut meta = json!({"resourceVersion": s.rv.to_string()});
+        if let Some(n) = next {
+            meta["continue"] = json!(n);
+        }
+        let list = json!({"kind": list_kind, "apiVersion": "v1", "metadata": meta, "items": items});
         drop(s);
         return respond(&mut conn, "200 OK", &list.to_string());
     }

@@ -13,8 +13,13 @@ pub mod cgroup;
 pub mod cluster;
 pub mod echo;
 pub mod fake_api;
+pub mod fixture;
+pub mod fuzz;
+pub mod lb;
+pub mod load;
 pub mod netns;
 pub mod packet;
+pub mod sctp;
 pub mod services;
 pub mod testrun;
 
@@ -37,6 +42,20 @@ pub fn unique_prefix() -> String {
         std::process::id(),
         SEQ.fetch_add(1, Ordering::Relaxed)
     )
+}
+
+/// Retries `check` every 100 ms until it holds; after 10 s panics with
+/// `what` and `context()` (an agent's log, say). For state that converges
+/// (an agent applying an edit), not for timing.
+pub fn eventually(what: &str, check: impl Fn() -> bool, context: impl Fn() -> String) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
+        if check() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("{what}: not reached in 10 s\n{}", context());
 }
 
 /// Panics, saying why, unless this process can create network namespaces and

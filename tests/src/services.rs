@@ -1,11 +1,14 @@
 //! Running the datapath on the sandbox's nodes and programming Services into
 //! it through the agent's own code path (desired state → diff → maps).
 
-use std::{net::Ipv4Addr, time::Duration};
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
 
 use dataplane_agent::{
-    dataplane::{Datapath, DatapathConfig, LoadOptions},
-    net::{Ipv4Cidr, Protocol},
+    dataplane::{Datapath, DatapathConfig, LoadOptions, XdpMode},
+    net::{IpFamily, Ipv4Cidr, Protocol},
     state::{
         desired,
         diff::Programmer,
@@ -17,6 +20,8 @@ use crate::cluster::{CLUSTER_CIDR, Cluster, EXTERNAL_DEVICE};
 
 /// Service CIDR of the sandbox.
 pub const SERVICE_CIDR: &str = "10.96.0.0/16";
+/// The IPv6 service CIDR of a dual-stack sandbox.
+pub const SERVICE_CIDR6: &str = "fd00:10:96::/112";
 /// Where the sandbox's LoadBalancer and external IPs live; the client routes
 /// it through node1 (like an upstream router would).
 pub const EXTERNAL_VIP_RANGE: &str = "198.19.0.0/24";
@@ -32,7 +37,7 @@ pub struct TestService {
 
 #[derive(Clone, Copy, Debug)]
 pub struct TestEndpoint {
-    pub addr: Ipv4Addr,
+    pub addr: IpAddr,
     pub port: u16,
     pub node: usize,
     pub ready: bool,
@@ -41,9 +46,9 @@ pub struct TestEndpoint {
 }
 
 impl TestEndpoint {
-    pub fn ready(addr: Ipv4Addr, port: u16, node: usize) -> Self {
+    pub fn ready(addr: impl Into<IpAddr>, port: u16, node: usize) -> Self {
         Self {
-            addr,
+            addr: addr.into(),
             port,
             node,
             ready: true,
@@ -67,6 +72,7 @@ impl TestService {
                 name: name.into(),
                 port_name: String::new(),
                 proto,
+                family: IpFamily::V4,
                 port,
                 cluster_ips: Vec::new(),
                 node_port: None,
@@ -81,7 +87,12 @@ impl TestService {
             endpoints: Vec::new(),
         }
     }
-    pub fn cluster_ip(mut self, ip: Ipv4Addr) -> Self {
+    /// A ClusterIP; the first one's family is the Service port's.
+    pub fn cluster_ip(mut self, ip: impl Into<IpAddr>) -> Self {
+        let ip = ip.into();
+        if self.port.cluster_ips.is_empty() {
+            self.port.family = IpFamily::of(&ip);
+        }
         self.port.cluster_ips.push(ip);
         self
     }
@@ -89,12 +100,12 @@ impl TestService {
         self.port.node_port = Some(port);
         self
     }
-    pub fn external_ip(mut self, ip: Ipv4Addr) -> Self {
-        self.port.external_ips.push(ip);
+    pub fn external_ip(mut self, ip: impl Into<IpAddr>) -> Self {
+        self.port.external_ips.push(ip.into());
         self
     }
-    pub fn load_balancer_ip(mut self, ip: Ipv4Addr) -> Self {
-        self.port.load_balancer_ips.push(ip);
+    pub fn load_balancer_ip(mut self, ip: impl Into<IpAddr>) -> Self {
+        self.port.load_balancer_ips.push(ip.into());
         self
     }
     pub fn source_range(mut self, cidr: &str) -> Self {
@@ -148,6 +159,8 @@ pub struct NodeDatapath {
     pub programmer: Programmer,
     pub node: usize,
     pub node_ip: Ipv4Addr,
+    /// The node's IPv6 address on a dual-stack sandbox.
+    pub node_ip6: Option<std::net::Ipv6Addr>,
 }
 
 impl NodeDatapath {
@@ -163,9 +176,12 @@ impl NodeDatapath {
     /// removed), as the agent's sync does.
     pub fn program(&mut self, services: &[&TestService]) {
         let ports: Vec<(u32, ServicePort)> = services.iter().map(|s| (s.id, s.for_node(self.node))).collect();
+        let ips: Vec<IpAddr> = std::iter::once(IpAddr::V4(self.node_ip))
+            .chain(self.node_ip6.map(IpAddr::V6))
+            .collect();
         let node = NodeContext {
-            node_port_addresses: vec![self.node_ip],
-            node_ips: vec![self.node_ip],
+            node_port_addresses: ips.clone(),
+            node_ips: ips,
         };
         let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &node);
         assert!(
@@ -190,12 +206,14 @@ impl Cluster {
             max_service_entries: 8192,
             ct_entries: 8192,
             affinity_entries: 1024,
+            ipv6: true,
         };
-        self.start_datapath_with(node, &opts)
+        self.start_datapath_with(node, &opts, XdpMode::Auto)
     }
 
-    /// As [`Cluster::start_datapath`], with chosen map sizes.
-    pub fn start_datapath_with(&self, node: usize, opts: &LoadOptions) -> NodeDatapath {
+    /// As [`Cluster::start_datapath`], with chosen map sizes and XDP mode
+    /// (`Auto` runs the ingress path in TC on the sandbox's veth devices).
+    pub fn start_datapath_with(&self, node: usize, opts: &LoadOptions, xdp_mode: XdpMode) -> NodeDatapath {
         let mut datapath = Datapath::load_with(opts).expect("load the datapath");
         let n = &self.nodes[node];
         datapath
@@ -209,7 +227,7 @@ impl Cluster {
             .collect();
         n.ns()
             .run(|| -> Result<(), dataplane_agent::dataplane::DatapathError> {
-                datapath.attach_external(EXTERNAL_DEVICE)?;
+                datapath.attach_external(EXTERNAL_DEVICE, xdp_mode)?;
                 for veth in &pod_veths {
                     datapath.attach_pod_interface(veth)?;
                 }
@@ -228,6 +246,7 @@ impl Cluster {
             programmer: Programmer::new(opts.max_backends),
             node,
             node_ip: n.ip(),
+            node_ip6: None,
         }
     }
 }

@@ -16,23 +16,48 @@ pub fn run<P>(prog: &P, input: &[u8], repeat: u32) -> (u32, Vec<u8>, Duration)
 where
     P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
 {
+    try_run(prog, input, repeat).expect("BPF_PROG_TEST_RUN")
+}
+
+/// As [`run`], returning the kernel's error instead of panicking.
+pub fn try_run<P>(
+    prog: &P,
+    input: &[u8],
+    repeat: u32,
+) -> Result<(u32, Vec<u8>, Duration), aya::programs::ProgramError>
+where
+    P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
+{
     let mut out = vec![0u8; input.len() + 512];
-    let r = prog
-        .test_run(TestRunOptions {
-            data_in: Some(input),
-            data_out: Some(&mut out),
-            repeat,
-            ..Default::default()
-        })
-        .expect("BPF_PROG_TEST_RUN");
+    let r = prog.test_run(TestRunOptions {
+        data_in: Some(input),
+        data_out: Some(&mut out),
+        repeat,
+        ..Default::default()
+    })?;
     out.truncate(r.data_size_out as usize);
-    (r.return_value, out, r.duration)
+    Ok((r.return_value, out, r.duration))
 }
 
 /// A private datapath (nothing attached) as node `node` of the sandbox's
 /// addressing (cluster CIDR 10.244.0.0/16, service CIDR 10.96.0.0/16), with
 /// `services` programmed through the agent's code path.
 pub fn fixture_datapath(node: Ipv4Addr, services: &[TestService]) -> Datapath {
+    fixture_datapath_with(&[node.into()], services)
+}
+
+/// As [`fixture_datapath`] for a dual-stack node (`node` and `node6`; IPv6
+/// cluster CIDR fd00:10:244::/56, service CIDR fd00:10:96::/112): Service
+/// ports of both families side by side.
+pub fn fixture_datapath_dual(
+    node: Ipv4Addr,
+    node6: std::net::Ipv6Addr,
+    services: &[TestService],
+) -> Datapath {
+    fixture_datapath_with(&[node.into(), node6.into()], services)
+}
+
+fn fixture_datapath_with(node_ips: &[std::net::IpAddr], services: &[TestService]) -> Datapath {
     crate::require_privileges();
     let opts = LoadOptions {
         max_services: 64,
@@ -40,16 +65,25 @@ pub fn fixture_datapath(node: Ipv4Addr, services: &[TestService]) -> Datapath {
         max_service_entries: 1024,
         ct_entries: 4096,
         affinity_entries: 64,
+        ipv6: true,
     };
     let mut dp = Datapath::load_with(&opts).expect("load datapath");
-    let mut config = DatapathConfig::new(node);
-    config.cluster_cidr = Some(crate::cluster::CLUSTER_CIDR.parse().unwrap());
-    config.service_cidrs = vec![crate::services::SERVICE_CIDR.parse().unwrap()];
+    let mut config = DatapathConfig::for_node(node_ips);
+    config.set_cidrs(
+        &[
+            crate::cluster::CLUSTER_CIDR.parse().unwrap(),
+            crate::cluster::CLUSTER_CIDR6.parse().unwrap(),
+        ],
+        &[
+            crate::services::SERVICE_CIDR.parse().unwrap(),
+            crate::services::SERVICE_CIDR6.parse().unwrap(),
+        ],
+    );
     dp.maps_mut().set_config(&config).unwrap();
     let ports: Vec<_> = services.iter().map(|s| (s.id, s.for_node(0))).collect();
     let ctx = NodeContext {
-        node_port_addresses: vec![node],
-        node_ips: vec![node],
+        node_port_addresses: node_ips.to_vec(),
+        node_ips: node_ips.to_vec(),
     };
     let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &ctx);
     assert!(table.problems.is_empty(), "{:?}", table.problems);

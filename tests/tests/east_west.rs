@@ -14,10 +14,11 @@ use dataplane_agent::net::Protocol;
 use dataplane_common::stats::Event;
 use dataplane_tests::{
     cluster::Cluster,
-    echo::{EchoServer, TcpClient, UdpClient, tcp_request},
+    echo::{EchoServer, TcpClient, UdpClient, sockclient, tcp_request},
     services::{NodeDatapath, TestEndpoint, TestService},
 };
 
+const SOCKCLIENT: &str = env!("CARGO_BIN_EXE_sockclient");
 const TCP_PORT: u16 = 8080;
 const UDP_PORT: u16 = 5353;
 const CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
@@ -115,7 +116,7 @@ fn pod_reaches_cluster_ip_with_local_and_remote_backends_without_snat() {
             .request_from("client", dst)
             .unwrap_or_else(|e| panic!("request {i}: {e}; {}", s.report()));
         assert_eq!(
-            *r.peer.ip(),
+            r.peer.ip(),
             s.cluster.pod("client").ip,
             "in-cluster source: no SNAT"
         );
@@ -163,7 +164,7 @@ fn hairpin_a_pod_reaches_itself_through_its_service() {
         .unwrap_or_else(|e| panic!("hairpin: {e}; {}", s.report()));
     assert_eq!(r.server, "a");
     assert_eq!(
-        *r.peer.ip(),
+        r.peer.ip(),
         s.cluster.nodes[0].ip(),
         "hairpin is masqueraded to the node"
     );
@@ -245,20 +246,7 @@ fn udp_queries_follow_the_backend_when_it_moves() {
 /// namespace and its cgroup): (peer its socket reports, reply) or the error.
 fn host_client(s: &Sandbox, node: usize, mode: &str, dst: SocketAddrV4) -> Result<(String, String), String> {
     let n = &s.cluster.nodes[node];
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sockclient"))
-        .arg(n.ns().path())
-        .arg(n.cgroup.procs())
-        .args([mode, &dst.to_string()])
-        .output()
-        .expect("run sockclient");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let field = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).map(str::to_owned);
-    match (field("peer="), field("reply=")) {
-        (Some(p), Some(r)) => Ok((p, r)),
-        _ => {
-            Err(field("error=").unwrap_or_else(|| format!("{text}{}", String::from_utf8_lossy(&out.stderr))))
-        }
-    }
+    sockclient(SOCKCLIENT, &n.ns().path(), &n.cgroup.procs(), mode, dst)
 }
 
 #[test]
@@ -335,18 +323,13 @@ fn pod_process_in_node_cgroup(
     node: usize,
     dst: SocketAddrV4,
 ) -> Result<(String, String), String> {
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sockclient"))
-        .arg(s.cluster.pod(pod).ns.path())
-        .arg(s.cluster.nodes[node].cgroup.procs())
-        .args(["tcp", &dst.to_string()])
-        .output()
-        .expect("run sockclient");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let field = |k: &str| text.lines().find_map(|l| l.strip_prefix(k)).map(str::to_owned);
-    match (field("peer="), field("reply=")) {
-        (Some(p), Some(r)) => Ok((p, r)),
-        _ => Err(text),
-    }
+    sockclient(
+        SOCKCLIENT,
+        &s.cluster.pod(pod).ns.path(),
+        &s.cluster.nodes[node].cgroup.procs(),
+        "tcp",
+        dst,
+    )
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! Output checksums are verified by the test's own implementation.
 
 use std::{
-    net::{Ipv4Addr, SocketAddrV4},
+    net::{Ipv4Addr, SocketAddr, SocketAddrV4},
     time::Duration,
 };
 
@@ -29,8 +29,8 @@ const ITP_CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 12);
 const HAIRPIN_CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 13);
 const AFF_CIP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 14);
 
-fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(ip, port)
+fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
+    SocketAddrV4::new(ip, port).into()
 }
 
 fn datapath() -> Datapath {
@@ -89,7 +89,7 @@ fn tc_pod_ingress_translates_pod_flows_and_answers_their_rejects() {
     let (v, out) = run_tc(pod_in, &input);
     assert_eq!(v, TC_ACT_REDIRECT);
     let (i, o) = (parse_and_verify(&input), parse_and_verify(&out));
-    assert_eq!((o.src, o.dst, o.proto), (EMPTY_CIP, POD, ICMP));
+    assert_eq!((o.src, o.dst, o.proto), (EMPTY_CIP.into(), POD.into(), ICMP));
     assert_eq!((o.src_mac, o.dst_mac), (i.dst_mac, i.src_mac));
     assert_eq!(&o.l4[..2], &[3, 3]);
     assert_eq!(&o.l4[8..], &input[14..14 + 28], "quotes the pod's packet");

@@ -1,20 +1,19 @@
-//! BPF_PROG_TEST_RUN fixtures for `xdp_ingress`: maps programmed through the
-//! agent's own code path, an input frame, the expected verdict and output.
-//! Output checksums are verified by the test's own implementation.
+//! BPF_PROG_TEST_RUN fixtures for the north-south ingress path, run through
+//! both of its program types (`xdp_ingress` and `tc_ingress`: one path, two
+//! contexts): maps programmed through the agent's own code path, an input
+//! frame, the expected verdict and output. Output checksums are verified by
+//! the test's own implementation.
 
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use dataplane_agent::{dataplane::Datapath, net::Protocol};
 use dataplane_common::stats::Event;
 use dataplane_tests::{
-    packet::{Frame, ICMP, TCP_ACK, TCP_SYN, parse_and_verify},
+    fixture::{Expect, Fixture, TC, Table, XDP, XDP_PASS, run, run_as, run_table},
+    packet::{Frame, TCP_ACK, TCP_SYN, icmp_error, parse_and_verify},
     services::{TestEndpoint, TestService},
     testrun::{self, fixture_datapath},
 };
-
-const XDP_DROP: u32 = 1;
-const XDP_PASS: u32 = 2;
-const XDP_TX: u32 = 3;
 
 const NODE: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
@@ -25,8 +24,8 @@ const EXT_UDP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 20);
 const LB_RANGED: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 30);
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
-fn sa(ip: Ipv4Addr, port: u16) -> SocketAddrV4 {
-    SocketAddrV4::new(ip, port)
+fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
+    SocketAddrV4::new(ip, port).into()
 }
 
 /// A datapath (nothing attached) holding the fixture services, as node1.
@@ -57,6 +56,10 @@ fn datapath() -> Datapath {
         TestService::new(7, "cip", Protocol::Tcp, 80)
             .cluster_ip(CLUSTER_IP)
             .endpoint(remote(8080)),
+        TestService::new(9, "sctp", Protocol::Sctp, 9999)
+            .node_port(30090)
+            .external_local()
+            .endpoint(local(9090)),
         (1..=4).fold(
             TestService::new(8, "spread", Protocol::Tcp, 80).node_port(30083),
             |svc, i| svc.endpoint(TestEndpoint::ready(Ipv4Addr::new(10, 244, 2, 20 + i), 8080, 1)),
@@ -65,44 +68,11 @@ fn datapath() -> Datapath {
     fixture_datapath(NODE, &services)
 }
 
-/// Runs one frame through `xdp_ingress`: (verdict, output frame).
-fn run(dp: &Datapath, input: &[u8]) -> (u32, Vec<u8>) {
-    let (v, out, _) = testrun::run(dp.xdp().unwrap(), input, 1);
-    (v, out)
-}
-
-/// What a fixture expects.
-enum Expect {
-    /// XDP_PASS with the frame untouched.
-    Untouched,
-    /// XDP_PASS with exactly these bytes.
-    Bytes(Vec<u8>),
-    /// XDP_PASS with this destination, source kept, checksums valid.
-    Dnat(SocketAddrV4),
-    Drop,
-    /// XDP_TX with an ICMP port-unreachable for the input.
-    Reject,
-}
-
-struct Fixture {
-    name: &'static str,
-    input: Vec<u8>,
-    expect: Expect,
-    event: Event,
-}
-
 fn fixtures() -> Vec<Fixture> {
     let c = |port| sa(CLIENT, port);
     let syn = |src, dst| Frame::tcp(src, dst, TCP_SYN);
-    let mut v = Vec::new();
-    let mut f = |name, frame: Vec<u8>, expect, event| {
-        v.push(Fixture {
-            name,
-            input: frame,
-            expect,
-            event,
-        })
-    };
+    let mut t = Table::default();
+    let mut f = |name, frame: Vec<u8>, expect, event| t.add(name, frame, expect, event);
 
     f("ARP frame: not ours", arp(), Expect::Untouched, Event::Pass);
     f(
@@ -257,15 +227,44 @@ fn fixtures() -> Vec<Fixture> {
         Expect::Untouched,
         Event::Malformed,
     );
-    let mut sctp = syn(c(40018), sa(LB_LOCAL, 80)).build();
-    sctp[23] = 132;
     f(
-        "SCTP: not translated",
-        sctp,
+        "SCTP to an address without SCTP ports: not ours",
+        Frame::sctp(c(40018), sa(LB_LOCAL, 80)).build(),
         Expect::Untouched,
-        Event::UnsupportedProto,
+        Event::Pass,
     );
-    v
+    f(
+        "SCTP NodePort, eTP=Local: DNAT with port translation, CRC32c updated",
+        Frame::sctp(c(40019), sa(NODE, 30090)).build(),
+        Expect::Bytes(Frame::sctp(c(40019), sa(LOCAL_POD, 9090)).build()),
+        Event::NewFlow,
+    );
+    let mut sctp_opts = Frame::sctp(c(40020), sa(NODE, 30090));
+    sctp_opts.ip_options = vec![1, 1, 1, 0];
+    sctp_opts.payload = vec![7; 301];
+    let mut sctp_opts_out = Frame::sctp(c(40020), sa(LOCAL_POD, 9090));
+    sctp_opts_out.ip_options = vec![1, 1, 1, 0];
+    sctp_opts_out.payload = vec![7; 301];
+    f(
+        "SCTP with IP options and a longer chunk: CRC32c updated",
+        sctp_opts.build(),
+        Expect::Bytes(sctp_opts_out.build()),
+        Event::NewFlow,
+    );
+    // The kernel's SCTP leaves the CRC zero when the device computes it
+    // (CHECKSUM_PARTIAL, as veth offers): it must stay zero.
+    let offloaded = |frame: Vec<u8>| {
+        let mut frame = frame;
+        frame[14 + 20 + 8..14 + 20 + 12].fill(0);
+        frame
+    };
+    f(
+        "SCTP with its CRC32c left to the device: the zero field stays zero",
+        offloaded(Frame::sctp(c(40021), sa(NODE, 30090)).build()),
+        Expect::Bytes(offloaded(Frame::sctp(c(40021), sa(LOCAL_POD, 9090)).build())),
+        Event::NewFlow,
+    );
+    t.0
 }
 
 fn arp() -> Vec<u8> {
@@ -279,72 +278,9 @@ fn arp() -> Vec<u8> {
 }
 
 #[test]
-fn xdp_ingress_fixture_table() {
-    let dp = datapath();
-    let mut failures = Vec::new();
-    for fx in fixtures() {
-        let before = dp.maps().counter(fx.event).unwrap().packets;
-        let (verdict, out) = run(&dp, &fx.input);
-        let result = std::panic::catch_unwind(|| check(&fx, verdict, &out));
-        let after = dp.maps().counter(fx.event).unwrap().packets;
-        if let Err(e) = result {
-            let msg = e
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()));
-            failures.push(format!("{}: {}", fx.name, msg.unwrap_or_default()));
-        } else if after != before + 1 {
-            failures.push(format!(
-                "{}: counter {} did not count the packet",
-                fx.name,
-                fx.event.name()
-            ));
-        }
-    }
+fn ingress_fixture_table_in_xdp_and_tc() {
+    let failures = run_table(datapath, fixtures);
     assert!(failures.is_empty(), "fixtures failed:\n{}", failures.join("\n"));
-}
-
-fn check(fx: &Fixture, verdict: u32, out: &[u8]) {
-    match &fx.expect {
-        Expect::Untouched => {
-            assert_eq!(verdict, XDP_PASS, "verdict");
-            assert_eq!(out, &fx.input[..], "frame must be untouched");
-        }
-        Expect::Bytes(want) => {
-            assert_eq!(verdict, XDP_PASS, "verdict");
-            parse_and_verify(out);
-            assert_eq!(out, &want[..], "output bytes");
-        }
-        Expect::Dnat(to) => {
-            assert_eq!(verdict, XDP_PASS, "verdict");
-            let (i, o) = (parse_and_verify(&fx.input), parse_and_verify(out));
-            assert_eq!(o.dst_addr(), *to, "destination");
-            assert_eq!(
-                o.src_addr(),
-                i.src_addr(),
-                "the source is rewritten at egress, not here"
-            );
-        }
-        Expect::Drop => assert_eq!(verdict, XDP_DROP, "verdict"),
-        Expect::Reject => {
-            assert_eq!(verdict, XDP_TX, "verdict");
-            let i = parse_and_verify(&fx.input);
-            let o = parse_and_verify(out);
-            assert_eq!((o.src_mac, o.dst_mac), (i.dst_mac, i.src_mac), "MACs swapped");
-            assert_eq!(
-                (o.src, o.dst, o.proto),
-                (i.dst, i.src, ICMP),
-                "ICMP from the address tried to the client"
-            );
-            assert_eq!(&o.l4[..2], &[3, 3], "destination unreachable / port unreachable");
-            let quoted = &o.l4[8..];
-            assert_eq!(
-                quoted,
-                &fx.input[i.l3..i.l3 + 28],
-                "quotes the IP header and 8 bytes of the segment"
-            );
-        }
-    }
 }
 
 #[test]
@@ -429,15 +365,148 @@ fn udp_flows_to_a_backend_can_be_purged() {
             .count()
     };
     assert_eq!(udp_entries(&dp), 6, "two entries per flow (no SNAT)");
-    let backend = dp
-        .maps()
-        .backends()
-        .unwrap()
-        .into_iter()
-        .find(|(_, b)| b.addr == LOCAL_POD && b.port == 5353)
-        .map(|(id, _)| id)
-        .expect("backend id");
-    let purged = dp.maps_mut().purge_udp_flows_to(&[backend]).unwrap();
+    let purged = dp
+        .maps_mut()
+        .purge_udp_flows_to(&[(LOCAL_POD.into(), 5353)])
+        .unwrap();
     assert_eq!(purged, 6);
     assert_eq!(udp_entries(&dp), 0);
+}
+
+/// ICMP errors about translated flows reach the endpoint whose packet they
+/// quote, quoting it as that endpoint sent it, through every hook that can
+/// see them: `xdp_ingress`/`tc_ingress` (errors from beyond the node, both
+/// ways), `tc_pod_ingress` (a local backend's error) and `tc_egress` (the
+/// node's own, e.g. "fragmentation needed" when a pod's MTU is smaller).
+#[test]
+fn icmp_errors_about_translated_flows_reach_their_sender() {
+    use dataplane_common::names;
+    const ROUTER: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
+    for p in [XDP, TC] {
+        let dp = datapath();
+        let ingress = |input: &[u8]| run_as(&dp, p, input);
+        let tc = |name: &'static str, input: &[u8]| {
+            let (v, out, _) = testrun::run(dp.tc(name).unwrap(), input, 1);
+            (v, out)
+        };
+        let translated = || dp.maps().counter(Event::IcmpErrorTranslated).unwrap().packets;
+
+        // A masqueraded flow to the remote backend: its SNAT port.
+        let client = sa(CLIENT, 41100);
+        let (v, _) = ingress(&Frame::tcp(client, sa(NODE, 30080), TCP_SYN).build());
+        assert_eq!(v, p.pass);
+        let ct = dp.maps().conntrack().unwrap();
+        let (_, fwd) = ct
+            .iter()
+            .find(|(k, _)| k.saddr == u32::from(CLIENT).to_be() && k.sport == 41100u16.to_be())
+            .expect("FWD_IN entry");
+        let snat = sa(NODE, u16::from_be(fwd.nat_sport));
+
+        // 1. A router between the node and the backend cannot forward a
+        //    masqueraded packet: back to the client, about what it sent.
+        let sent = Frame::tcp(snat, sa(REMOTE_POD, 8080), TCP_ACK).build();
+        let error = icmp_error(ROUTER, NODE, 3, 4, 1400, &sent);
+        let want = icmp_error(
+            ROUTER,
+            CLIENT,
+            3,
+            4,
+            1400,
+            &Frame::tcp(client, sa(NODE, 30080), TCP_ACK).build(),
+        );
+        let before = translated();
+        let (v, out) = ingress(&error);
+        assert_eq!(v, p.pass, "{}", p.program);
+        parse_and_verify(&out);
+        assert_eq!(out, want, "{}: error about a forward packet", p.program);
+        assert_eq!(translated(), before + 1);
+        // The same behind Ethernet padding (bytes after the IP packet): they
+        // are not the quote's, and stay as they are.
+        let padded = |f: &[u8]| [f, &[0u8; 12][..]].concat();
+        let (v, out) = ingress(&padded(&error));
+        assert_eq!(v, p.pass);
+        parse_and_verify(&out);
+        assert_eq!(out, padded(&want), "{}: a padded error", p.program);
+
+        // 2. A router on the client's side cannot forward a reply: to the
+        //    backend, about what it sent (to the node's SNAT address).
+        let reply = Frame::tcp(sa(NODE, 30080), client, TCP_ACK).build();
+        let error = icmp_error(ROUTER, NODE, 3, 4, 1280, &reply);
+        let want = icmp_error(
+            ROUTER,
+            REMOTE_POD,
+            3,
+            4,
+            1280,
+            &Frame::tcp(sa(REMOTE_POD, 8080), snat, TCP_ACK).build(),
+        );
+        let (v, out) = ingress(&error);
+        assert_eq!(v, p.pass);
+        parse_and_verify(&out);
+        assert_eq!(out, want, "{}: error about a reply", p.program);
+
+        // 3. A local backend of an eTP=Local UDP external IP answers
+        //    port-unreachable: the client learns about the address it tried.
+        let client2 = sa(CLIENT, 41101);
+        let (v, _) = ingress(&Frame::udp(client2, sa(EXT_UDP, 53)).build());
+        assert_eq!(v, p.pass);
+        let error = icmp_error(
+            LOCAL_POD,
+            CLIENT,
+            3,
+            3,
+            0,
+            &Frame::udp(client2, sa(LOCAL_POD, 5353)).build(),
+        );
+        let want = icmp_error(
+            LOCAL_POD,
+            CLIENT,
+            3,
+            3,
+            0,
+            &Frame::udp(client2, sa(EXT_UDP, 53)).build(),
+        );
+        let (v, out) = tc(names::TC_POD_INGRESS, &error);
+        assert_eq!(v, 0, "TC_ACT_OK");
+        parse_and_verify(&out);
+        assert_eq!(out, want, "a local backend's error (UDP quote checksum too)");
+
+        // 4. The node cannot forward a client's packet into a local pod
+        //    (smaller MTU): its own error leaves through tc_egress.
+        let client3 = sa(CLIENT, 41102);
+        let (v, _) = ingress(&Frame::tcp(client3, sa(LB_LOCAL, 80), TCP_SYN).build());
+        assert_eq!(v, p.pass);
+        let error = icmp_error(
+            NODE,
+            CLIENT,
+            3,
+            4,
+            1450,
+            &Frame::tcp(client3, sa(LOCAL_POD, 8080), TCP_ACK).build(),
+        );
+        let want = icmp_error(
+            NODE,
+            CLIENT,
+            3,
+            4,
+            1450,
+            &Frame::tcp(client3, sa(LB_LOCAL, 80), TCP_ACK).build(),
+        );
+        let (v, out) = tc(names::TC_EGRESS, &error);
+        assert_eq!(v, 0, "TC_ACT_OK");
+        parse_and_verify(&out);
+        assert_eq!(out, want, "the node's own error, at egress");
+
+        // 5. An error about no flow of ours: untouched.
+        let error = icmp_error(
+            ROUTER,
+            CLIENT,
+            3,
+            4,
+            1400,
+            &Frame::tcp(client, sa(Ipv4Addr::new(1, 1, 1, 1), 443), TCP_ACK).build(),
+        );
+        let (v, out) = ingress(&error);
+        assert_eq!((v, out), (p.pass, error), "not ours");
+    }
 }

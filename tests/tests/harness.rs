@@ -18,11 +18,11 @@ fn pods_reach_each_other_across_nodes_and_servers_see_real_sources() {
 
     let reply = tcp_request(&pa.ns, tcp.addr, "hello").expect("pod a -> pod b over TCP");
     assert_eq!(reply.server, "b");
-    assert_eq!(*reply.peer.ip(), pa.ip, "no NAT between pods: b sees a's address");
+    assert_eq!(reply.peer.ip(), pa.ip, "no NAT between pods: b sees a's address");
     assert_eq!(reply.payload, "hello");
 
     let reply = udp_request(&pa.ns, udp.addr, "ping").expect("pod a -> pod b over UDP");
-    assert_eq!((reply.server.as_str(), *reply.peer.ip()), ("b", pa.ip));
+    assert_eq!((reply.server.as_str(), reply.peer.ip()), ("b", pa.ip.into()));
 }
 
 #[test]
@@ -32,7 +32,7 @@ fn client_reaches_nodes_on_the_lan_but_not_pods() {
     let node = &cluster.nodes[0];
     let server = EchoServer::tcp(node.ns(), "node1", SocketAddrV4::new(NODE_IPS[0], 9000));
     let reply = tcp_request(&cluster.client.ns, server.addr, "x").expect("client -> node1");
-    assert_eq!(*reply.peer.ip(), cluster.client.ip);
+    assert_eq!(reply.peer.ip(), cluster.client.ip);
 
     // The client has no route to pod CIDRs: only Services expose pods.
     let pod = &cluster.pods[p];

@@ -9,11 +9,15 @@ use std::{
     time::{Duration, Instant},
 };
 
-use dataplane_agent::net::Protocol;
+use dataplane_agent::{
+    dataplane::{LoadOptions, XdpMode},
+    net::Protocol,
+};
 use dataplane_common::stats::Event;
 use dataplane_tests::{
-    cluster::Cluster,
+    cluster::{Cluster, Wiring},
     echo::{EchoServer, TcpClient, tcp_request, udp_request},
+    sctp::{SctpEcho, sctp_request},
     services::{EXTERNAL_VIP_RANGE, NodeDatapath, TestEndpoint, TestService},
 };
 
@@ -37,7 +41,13 @@ impl Sandbox {
     }
 
     fn with_pods(pods: &[(&str, usize)]) -> Self {
-        let mut cluster = Cluster::new();
+        Self::wired(pods, Wiring::Wire, XdpMode::Auto)
+    }
+
+    /// Pods, servers and datapaths on a cluster wired as `wiring`, the
+    /// ingress path attached as `mode` says.
+    fn wired(pods: &[(&str, usize)], wiring: Wiring, mode: XdpMode) -> Self {
+        let mut cluster = Cluster::with_wiring(wiring);
         for (name, node) in pods {
             cluster.add_pod(*node, name);
         }
@@ -54,7 +64,9 @@ impl Sandbox {
                 SocketAddrV4::new(p.ip, BACKEND_UDP),
             ));
         }
-        let nodes = (0..2).map(|i| cluster.start_datapath(i)).collect();
+        let nodes = (0..2)
+            .map(|i| cluster.start_datapath_with(i, &small_maps(), mode))
+            .collect();
         cluster.route_from_client(EXTERNAL_VIP_RANGE, 0);
         Self {
             _servers: servers,
@@ -96,6 +108,17 @@ impl Sandbox {
     }
 }
 
+fn small_maps() -> LoadOptions {
+    LoadOptions {
+        max_services: 1024,
+        max_backends: 1024,
+        max_service_entries: 8192,
+        ct_entries: 8192,
+        affinity_entries: 1024,
+        ipv6: true,
+    }
+}
+
 fn tcp_service(s: &Sandbox, id: u32, pods: &[&str]) -> TestService {
     pods.iter()
         .fold(TestService::new(id, "web", Protocol::Tcp, 80), |svc, p| {
@@ -119,7 +142,7 @@ fn nodeport_cluster_policy_reaches_local_and_remote_backends_with_snat() {
         let r = tcp_request(&s.cluster.client.ns, dst, &format!("req{i}"))
             .unwrap_or_else(|e| panic!("TCP request {i} to NodePort {dst}: {e}; {}", s.report()));
         assert_eq!(
-            *r.peer.ip(),
+            r.peer.ip(),
             s.node_ip(0),
             "eTP=Cluster: the backend sees node1 (SNAT)"
         );
@@ -136,12 +159,76 @@ fn nodeport_cluster_policy_reaches_local_and_remote_backends_with_snat() {
     for i in 0..40 {
         let r = udp_request(&s.cluster.client.ns, dst, &format!("q{i}"))
             .unwrap_or_else(|e| panic!("UDP request {i} to NodePort {dst}: {e}"));
-        assert_eq!(*r.peer.ip(), s.node_ip(0));
+        assert_eq!(r.peer.ip(), s.node_ip(0));
         *seen.entry(r.server).or_insert(0) += 1;
     }
     assert_eq!(seen.len(), 2, "UDP: both backends served: {seen:?}");
     assert!(s.counter(0, Event::NewFlow) >= 80);
     assert!(s.counter(0, Event::Reply) >= 80, "replies reverse-translated");
+}
+
+#[test]
+fn sctp_ports_are_translated_both_ways_with_crcs_a_receiver_accepts() {
+    const BACKEND_SCTP: u16 = 9000;
+    let mut s = Sandbox::new();
+    let servers: Vec<SctpEcho> = ["a", "b"]
+        .iter()
+        .map(|p| {
+            SctpEcho::start(
+                &s.cluster.pod(p).ns,
+                p,
+                SocketAddrV4::new(s.cluster.pod(p).ip, BACKEND_SCTP),
+            )
+        })
+        .collect();
+    let cluster = TestService::new(1, "sctp", Protocol::Sctp, 7000)
+        .node_port(NODE_PORT)
+        .endpoint(s.ep("a", BACKEND_SCTP))
+        .endpoint(s.ep("b", BACKEND_SCTP));
+    let local = TestService::new(2, "sctp-local", Protocol::Sctp, 7000)
+        .load_balancer_ip(LB_IP)
+        .external_local()
+        .endpoint(s.ep("a", BACKEND_SCTP));
+    s.program_all(&[&cluster, &local]);
+    let client = s.cluster.client.ip;
+
+    // eTP=Cluster NodePort: DNAT and masquerade, both ports rewritten.
+    let dst = SocketAddrV4::new(s.node_ip(0), NODE_PORT);
+    let mut seen = BTreeMap::new();
+    for i in 0..40u16 {
+        let src = SocketAddrV4::new(client, 41000 + i);
+        let a = sctp_request(&s.cluster.client.ns, src, dst, &format!("req{i}"))
+            .unwrap_or_else(|e| panic!("SCTP request {i} to NodePort {dst}: {e}; {}", s.report()));
+        assert_eq!(a.from, dst, "the answer comes from the NodePort");
+        assert_eq!(
+            a.reply.peer.ip(),
+            s.node_ip(0),
+            "eTP=Cluster: the backend sees node1"
+        );
+        assert_eq!(a.reply.payload, format!("req{i}"));
+        *seen.entry(a.reply.server).or_insert(0) += 1;
+    }
+    assert_eq!(seen.len(), 2, "local and remote backends served: {seen:?}");
+
+    // eTP=Local LoadBalancer IP: DNAT only, the client's address and port kept.
+    let dst = SocketAddrV4::new(LB_IP, 7000);
+    for i in 0..10u16 {
+        let src = SocketAddrV4::new(client, 42000 + i);
+        let a = sctp_request(&s.cluster.client.ns, src, dst, "hi")
+            .unwrap_or_else(|e| panic!("SCTP request {i} to {dst}: {e}; {}", s.report()));
+        assert_eq!(
+            (a.from, a.reply.server.as_str(), a.reply.peer),
+            (dst, "a", src.into())
+        );
+    }
+    for server in &servers {
+        assert_eq!(
+            server.bad_crc(),
+            0,
+            "packets to {} with a wrong CRC32c",
+            server.addr
+        );
+    }
 }
 
 /// Asserts that a TCP connect to `dst` gets no answer (dropped), quickly.
@@ -171,7 +258,7 @@ fn nodeport_local_policy_preserves_client_ip_and_drops_without_local_backend() {
         .unwrap_or_else(|e| panic!("request {i} to node1 (local backend): {e}; {}", s.report()));
         assert_eq!(r.server, "a");
         assert_eq!(
-            *r.peer.ip(),
+            r.peer.ip(),
             s.cluster.client.ip,
             "eTP=Local: the backend sees the client's address"
         );
@@ -192,7 +279,7 @@ fn load_balancer_ip_and_external_ip_are_served() {
         for i in 0..6 {
             let r = tcp_request(&s.cluster.client.ns, dst, "hi")
                 .unwrap_or_else(|e| panic!("request {i} to {dst}: {e}; {}", s.report()));
-            assert_eq!(*r.peer.ip(), s.node_ip(0), "eTP=Cluster masquerades to the node");
+            assert_eq!(r.peer.ip(), s.node_ip(0), "eTP=Cluster masquerades to the node");
         }
     }
 }
@@ -205,7 +292,10 @@ fn load_balancer_ip_with_local_policy_keeps_the_client_address() {
         .external_local();
     s.program_all(&[&svc]);
     let r = tcp_request(&s.cluster.client.ns, SocketAddrV4::new(LB_IP, 80), "hi").expect("LB IP, eTP=Local");
-    assert_eq!((r.server.as_str(), *r.peer.ip()), ("a", s.cluster.client.ip));
+    assert_eq!(
+        (r.server.as_str(), r.peer.ip()),
+        ("a", s.cluster.client.ip.into())
+    );
 }
 
 #[test]
@@ -317,7 +407,7 @@ fn cluster_ip_from_off_node_is_masqueraded_and_unknown_ports_rejected() {
     let r = tcp_request(&s.cluster.client.ns, SocketAddrV4::new(cluster_ip, 80), "x")
         .expect("ClusterIP from off-node");
     assert_eq!(
-        *r.peer.ip(),
+        r.peer.ip(),
         s.node_ip(0),
         "a source outside the cluster CIDR is masqueraded"
     );
@@ -339,4 +429,89 @@ fn cluster_ip_from_off_node_is_masqueraded_and_unknown_ports_rejected() {
     .expect_err("unallocated");
     assert_eq!(err.kind(), ErrorKind::TimedOut, "{err}");
     assert!(s.counter(0, Event::DropUnallocatedServiceIp) >= 1);
+}
+
+/// Every north-south verdict through `s` (pods "a" on node1, "b" on node2):
+/// NodePort eTP=Cluster to the local and the remote backend (SNAT), TCP
+/// and UDP; an eTP=Local LoadBalancer IP keeping the client address;
+/// rejects without endpoints (ICMP sent back out of the node's device) and
+/// for a ClusterIP's unknown port; a drop without local endpoint.
+fn every_verdict(mut s: Sandbox) {
+    let np = tcp_service(&s, 1, &["a", "b"]).node_port(NODE_PORT);
+    let dns = TestService::new(2, "dns", Protocol::Udp, 53)
+        .node_port(NODE_PORT)
+        .endpoint(s.ep("a", BACKEND_UDP))
+        .endpoint(s.ep("b", BACKEND_UDP));
+    let lb = tcp_service(&s, 3, &["a"])
+        .load_balancer_ip(LB_IP)
+        .external_local();
+    let empty = TestService::new(4, "empty", Protocol::Tcp, 80).node_port(NODE_PORT + 1);
+    let empty_udp = TestService::new(5, "empty-dns", Protocol::Udp, 53).node_port(NODE_PORT + 1);
+    let local_none = tcp_service(&s, 6, &["b"])
+        .node_port(NODE_PORT + 2)
+        .external_local();
+    let cip = tcp_service(&s, 7, &["b"]).cluster_ip(Ipv4Addr::new(10, 96, 0, 10));
+    s.program_all(&[&np, &dns, &lb, &empty, &empty_udp, &local_none, &cip]);
+    s.cluster.route_from_client("10.96.0.0/16", 0);
+    let client = &s.cluster.client.ns;
+    let node = |port| SocketAddrV4::new(s.node_ip(0), port);
+
+    let mut seen = BTreeMap::new();
+    for i in 0..30 {
+        let r = tcp_request(client, node(NODE_PORT), &format!("t{i}"))
+            .unwrap_or_else(|e| panic!("NodePort TCP {i}: {e}; {}", s.report()));
+        assert_eq!(r.peer.ip(), s.node_ip(0), "masqueraded");
+        *seen.entry(r.server).or_insert(0) += 1;
+        let r = udp_request(client, node(NODE_PORT), &format!("u{i}"))
+            .unwrap_or_else(|e| panic!("NodePort UDP {i}: {e}; {}", s.report()));
+        assert_eq!(r.peer.ip(), s.node_ip(0), "masqueraded");
+    }
+    assert_eq!(seen.len(), 2, "the local and the remote backend: {seen:?}");
+    let r = tcp_request(client, SocketAddrV4::new(LB_IP, 80), "lb").expect("eTP=Local LB IP");
+    assert_eq!(
+        (r.server.as_str(), r.peer.ip()),
+        ("a", s.cluster.client.ip.into())
+    );
+
+    let started = Instant::now();
+    let err = TcpClient::connect(client, node(NODE_PORT + 1)).expect_err("no endpoints");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}; {}", s.report());
+    let err = udp_request(client, node(NODE_PORT + 1), "q").expect_err("no endpoints");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}; {}", s.report());
+    let err = TcpClient::connect(client, SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 81))
+        .expect_err("unknown port");
+    assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}; {}", s.report());
+    // Refused by the ICMP errors the node sent back, not by timeouts.
+    assert!(started.elapsed() < Duration::from_secs(2), "rejected at once");
+    assert!(s.counter(0, Event::RejectNoEndpoints) >= 2, "{}", s.report());
+    assert!(s.counter(0, Event::RejectUnknownPort) >= 1, "{}", s.report());
+    assert_eq!(s.counter(0, Event::DropRejectFailed), 0, "{}", s.report());
+
+    assert_tcp_dropped(&s, node(NODE_PORT + 2));
+    assert!(s.counter(0, Event::DropNoLocalEndpoint) >= 1, "{}", s.report());
+}
+
+/// kind, k3d and containerlab nodes: the node's device is a veth whose peer
+/// runs no XDP program and whose skbs carry partial checksums. `auto` runs
+/// the ingress path in TC there, which sends rejects back as skbs.
+#[test]
+fn veth_nodes_without_xdp_on_the_peer_get_every_verdict() {
+    let s = Sandbox::wired(&[("a", 0), ("b", 1)], Wiring::VethNode, XdpMode::Auto);
+    every_verdict(s);
+}
+
+/// Nodes on a wire, with the ingress path in native XDP.
+#[test]
+fn native_xdp_gets_every_verdict() {
+    let s = Sandbox::wired(&[("a", 0), ("b", 1)], Wiring::Wire, XdpMode::Native);
+    assert_eq!(
+        s.nodes[0]
+            .datapath
+            .maps()
+            .received(dataplane_common::stats::Hook::TcIngress)
+            .unwrap()
+            .packets,
+        0
+    );
+    every_verdict(s);
 }

@@ -6,7 +6,7 @@
 use std::net::SocketAddrV4;
 
 use aya::programs::{TestRun as _, TestRunOptions};
-use dataplane_agent::dataplane::Datapath;
+use dataplane_agent::dataplane::{Datapath, XdpMode};
 use dataplane_common::stats::{Event, Hook};
 use dataplane_tests::{
     cluster::{Cluster, EXTERNAL_DEVICE, NODE_IPS},
@@ -26,7 +26,7 @@ fn xdp_on_node_external_device_counts_and_passes_real_traffic() {
 
     let mut datapath = Datapath::load().expect("load datapath");
     node.ns()
-        .run(|| datapath.attach_external(EXTERNAL_DEVICE))
+        .run(|| datapath.attach_external(EXTERNAL_DEVICE, XdpMode::Native))
         .expect("attach XDP to node1 eth0");
     let before = datapath.maps().received(Hook::XdpIngress).unwrap();
 

@@ -26,6 +26,7 @@ fn main() {
     assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
     let dst: SocketAddr = dst.parse().expect("IP:PORT");
     let t = Some(Duration::from_secs(3));
+    let any = if dst.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
     let result = (|| -> std::io::Result<(SocketAddr, String)> {
         match mode.as_str() {
             "tcp" => {
@@ -38,7 +39,7 @@ fn main() {
                 Ok((peer, line.trim().to_owned()))
             }
             "udp-connected" => {
-                let s = UdpSocket::bind("0.0.0.0:0")?;
+                let s = UdpSocket::bind(any)?;
                 s.set_read_timeout(t)?;
                 s.connect(dst)?;
                 let peer = s.peer_addr()?;
@@ -48,7 +49,7 @@ fn main() {
                 Ok((peer, String::from_utf8_lossy(&buf[..n]).trim().to_owned()))
             }
             "udp-unconnected" => {
-                let s = UdpSocket::bind("0.0.0.0:0")?;
+                let s = UdpSocket::bind(any)?;
                 s.set_read_timeout(t)?;
                 s.send_to(b"hello", dst)?;
                 let mut buf = [0u8; 512];

@@ -1,0 +1,719 @@
+//! End to end through a node, against kube-proxy's rule sets: Debian's
+//! `wrk` (epoll, concurrent connections) in the client namespace and
+//! `nginx` (event-driven) in the pods, each pinned to its own CPU; new
+//! connections (`Connection: close`) and keep-alive; a fresh sandbox per
+//! measurement; variants interleaved round by round. The CPUs' time split
+//! (user vs kernel) is recorded to show what bounds the direct baseline,
+//! and our datapath's drop counters are read after every run.
+
+use std::{
+    fmt::Write as _,
+    net::{Ipv4Addr, SocketAddrV4},
+    path::PathBuf,
+    process::{Child, Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use dataplane_agent::{
+    dataplane::{LoadOptions, XdpMode},
+    net::Protocol,
+};
+use dataplane_common::stats::{Event, FlowStat};
+use dataplane_tests::{
+    cluster::Cluster,
+    services::{NodeDatapath, TestEndpoint, TestService},
+};
+
+use super::{
+    Stat,
+    kube_proxy::{iptables_rules, nft_rules, run_stdin, services},
+    stat,
+};
+
+const MEASURED_VIP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
+const NODE_PORT: u16 = 30080;
+const POD_PORT: u16 = 8080;
+/// wrk's connections in flight and threads.
+const CONNECTIONS: u32 = 16;
+
+/// Filler Service i: VIP 10.96.x.y, endpoints 10.160.x.y.k (never used).
+fn filler(i: u32) -> TestService {
+    let ip = |base: Ipv4Addr, off: u32| Ipv4Addr::from(u32::from(base) + off);
+    TestService::new(i, "filler", Protocol::Tcp, 80)
+        .cluster_ip(ip(Ipv4Addr::new(10, 96, 0, 0), i))
+        .endpoint(TestEndpoint::ready(
+            ip(Ipv4Addr::new(10, 160, 0, 0), 2 * i),
+            POD_PORT,
+            1,
+        ))
+        .endpoint(TestEndpoint::ready(
+            ip(Ipv4Addr::new(10, 160, 0, 1), 2 * i),
+            POD_PORT,
+            1,
+        ))
+}
+
+/// One line of the table: what is measured, with how many Services.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// Client → pod IP, routed by the node, nothing attached.
+    Direct,
+    /// Client → ClusterIP, masqueraded (the client is off-cluster).
+    Masqueraded,
+    /// The same in native XDP (the sandbox's veth peers run XDP).
+    MasqueradedXdp,
+    /// Client → NodePort of an eTP=Local Service: no SNAT.
+    LocalNodePort,
+    /// Client → pod IP with the datapath attached: non-service traffic.
+    NonService,
+    /// kube-proxy's nftables rules, the Service's map entry among N.
+    Nftables,
+    /// kube-proxy's iptables-legacy rules, the Service last of N.
+    IptablesLast,
+    /// A pod on the node → another pod on it, directly.
+    PodDirect,
+    /// A pod → a ClusterIP with its endpoint on the same node.
+    PodClusterIp,
+}
+
+impl Variant {
+    fn name(self) -> &'static str {
+        match self {
+            Variant::Direct => "direct to the pod",
+            Variant::Masqueraded => "ours: ClusterIP from outside (masqueraded), TC",
+            Variant::MasqueradedXdp => "ours: ClusterIP from outside (masqueraded), native XDP",
+            Variant::LocalNodePort => "ours: eTP=Local NodePort (no SNAT)",
+            Variant::NonService => "ours attached: non-service traffic (direct to the pod)",
+            Variant::Nftables => "kube-proxy nftables",
+            Variant::IptablesLast => "kube-proxy iptables-legacy, Service last",
+            Variant::PodDirect => "pod → pod direct",
+            Variant::PodClusterIp => "ours: pod → ClusterIP",
+        }
+    }
+
+    fn ours(self) -> bool {
+        !matches!(
+            self,
+            Variant::Direct | Variant::Nftables | Variant::IptablesLast | Variant::PodDirect
+        )
+    }
+
+    /// The baseline a ratio is taken against.
+    fn baseline(self) -> Variant {
+        match self {
+            Variant::PodDirect | Variant::PodClusterIp => Variant::PodDirect,
+            _ => Variant::Direct,
+        }
+    }
+}
+
+/// New connections per request, or one connection for many.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    Close,
+    KeepAlive,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Close => "new connections",
+            Mode::KeepAlive => "keep-alive",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Case {
+    pub services: u32,
+    pub variant: Variant,
+    pub mode: Mode,
+}
+
+/// What one run measured.
+#[derive(Clone, Debug, Default)]
+struct Sample {
+    requests_per_s: f64,
+    p50_us: f64,
+    p99_us: f64,
+    /// wrk's socket errors (connect, read, write, timeout) and non-2xx.
+    errors: u64,
+    /// Per CPU: (busy share, kernel share of the busy time).
+    cpus: Vec<(f64, f64)>,
+    /// Share of one CPU that wrk and the nginx serving the measured
+    /// Service's first endpoint spent in user space.
+    wrk_user: f64,
+    nginx_user: f64,
+    /// Our datapath: dropped packets (any reason), and SNAT exhaustion.
+    drops: u64,
+    snat_exhausted: u64,
+    flows: Vec<(FlowStat, u64)>,
+}
+
+pub struct Row {
+    pub case: Case,
+    pub rate: Stat,
+    pub p50: Stat,
+    pub p99: Stat,
+    pub errors: u64,
+    pub drops: u64,
+    pub snat_exhausted: u64,
+    /// Median of the rounds' CPU shares.
+    pub cpus: Vec<(f64, f64)>,
+    pub wrk_user: f64,
+    pub nginx_user: f64,
+    pub flows: Vec<(FlowStat, u64)>,
+}
+
+/// An nginx in a pod namespace, pinned to `cpu`; stopped on drop.
+struct Nginx {
+    child: Child,
+    dir: PathBuf,
+}
+
+/// User-space CPU seconds of process `pid` so far.
+fn user_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command (which may hold spaces): state is field 3,
+    // utime field 14.
+    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let utime: f64 = after
+        .split_whitespace()
+        .nth(11)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    // SAFETY: sysconf has no preconditions.
+    utime / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+/// User-space CPU seconds of this process's waited-for children.
+fn children_user_seconds() -> f64 {
+    // SAFETY: getrusage fills the zeroed struct.
+    unsafe {
+        let mut u: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_CHILDREN, &mut u);
+        u.ru_utime.tv_sec as f64 + u.ru_utime.tv_usec as f64 / 1e6
+    }
+}
+
+impl Nginx {
+    fn start(ns: &str, addr: SocketAddrV4, cpu: usize) -> Self {
+        let dir = std::env::temp_dir().join(format!("dp-bench-nginx-{ns}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("nginx dir");
+        let conf = format!(
+            "worker_processes 1;\ndaemon off;\nmaster_process off;\npid {d}/nginx.pid;\nerror_log {d}/error.log;\n\
+             events {{ worker_connections 8192; }}\n\
+             http {{\n access_log off;\n client_body_temp_path {d};\n proxy_temp_path {d};\n fastcgi_temp_path {d};\n \
+             uwsgi_temp_path {d};\n scgi_temp_path {d};\n keepalive_requests 1000000;\n \
+             server {{ listen {addr} backlog=8192; location / {{ return 200 \"ok\\n\"; }} }}\n}}\n",
+            d = dir.display()
+        );
+        let conf_path = dir.join("nginx.conf");
+        std::fs::write(&conf_path, conf).expect("nginx.conf");
+        let child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                ns,
+                "taskset",
+                "-c",
+                &cpu.to_string(),
+                "nginx",
+                "-c",
+            ])
+            .arg(&conf_path)
+            .args(["-p", &dir.display().to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("nginx (cargo xtask setup installs nginx-light)");
+        let n = Self { child, dir };
+        // Listening when a connect succeeds.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let up = Command::new("ip")
+                .args(["netns", "exec", ns, "bash", "-c"])
+                .arg(format!("exec 3<>/dev/tcp/{}/{}", addr.ip(), addr.port()))
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if up {
+                return n;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "nginx did not start in {ns}: {}",
+            std::fs::read_to_string(n.dir.join("error.log")).unwrap_or_default()
+        );
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Per-CPU (busy jiffies, kernel jiffies, total jiffies) from /proc/stat.
+fn cpu_times() -> Vec<(u64, u64, u64)> {
+    std::fs::read_to_string("/proc/stat")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("cpu") && !l.starts_with("cpu "))
+        .map(|l| {
+            let v: Vec<u64> = l
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            // user nice system idle iowait irq softirq steal
+            let get = |i: usize| v.get(i).copied().unwrap_or(0);
+            let total: u64 = v.iter().take(8).sum();
+            let idle = get(3) + get(4);
+            let kernel = get(2) + get(5) + get(6);
+            (total - idle, kernel, total)
+        })
+        .collect()
+}
+
+/// Runs wrk from `ns` against `dst` for `duration`, watching `server`'s
+/// CPU time too.
+fn wrk(ns: &str, dst: SocketAddrV4, mode: Mode, duration: Duration, server: u32) -> Sample {
+    let (wrk_before, nginx_before) = (children_user_seconds(), user_seconds(server));
+    let started = Instant::now();
+    let before = cpu_times();
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns, "taskset", "-c", "0", "wrk", "-t1"])
+        .arg(format!("-c{CONNECTIONS}"))
+        .arg(format!("-d{}s", duration.as_secs()))
+        .args(["--latency", "--timeout", "2s"]);
+    if mode == Mode::Close {
+        cmd.args(["-H", "Connection: close"]);
+    }
+    let out = cmd
+        .arg(format!("http://{dst}/"))
+        .output()
+        .expect("wrk (cargo xtask setup installs it)");
+    let after = cpu_times();
+    let wall = started.elapsed().as_secs_f64();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "wrk: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut s = parse_wrk(&text, &before, &after);
+    s.wrk_user = (children_user_seconds() - wrk_before) / wall;
+    s.nginx_user = (user_seconds(server) - nginx_before) / wall;
+    s
+}
+
+fn parse_wrk(text: &str, before: &[(u64, u64, u64)], after: &[(u64, u64, u64)]) -> Sample {
+    let mut s = Sample::default();
+    let us = |v: &str| -> f64 {
+        let (num, unit) = v.split_at(v.find(|c: char| c.is_alphabetic()).unwrap_or(v.len()));
+        let n: f64 = num.parse().unwrap_or(0.0);
+        match unit {
+            "us" => n,
+            "ms" => n * 1e3,
+            "s" => n * 1e6,
+            _ => n,
+        }
+    };
+    for line in text.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        match w.as_slice() {
+            ["Requests/sec:", v] => s.requests_per_s = v.parse().unwrap_or(0.0),
+            ["50%", v] => s.p50_us = us(v),
+            ["99%", v] => s.p99_us = us(v),
+            ["Socket", "errors:", rest @ ..] => {
+                s.errors += rest
+                    .iter()
+                    .filter_map(|x| x.trim_end_matches(',').parse::<u64>().ok())
+                    .sum::<u64>();
+            }
+            ["Non-2xx", "or", "3xx", "responses:", n] => s.errors += n.parse::<u64>().unwrap_or(0),
+            _ => {}
+        }
+    }
+    s.cpus = before
+        .iter()
+        .zip(after)
+        .map(|(b, a)| {
+            let (busy, kernel, total) = (a.0 - b.0, a.1 - b.1, (a.2 - b.2).max(1));
+            (busy as f64 / total as f64, kernel as f64 / busy.max(1) as f64)
+        })
+        .collect();
+    s
+}
+
+/// One measurement in a fresh sandbox (as BENCHMARKING.md advises: a reused
+/// node namespace keeps netfilter state from the previous variant).
+fn once(case: Case, duration: Duration) -> Sample {
+    let Case {
+        services: n,
+        variant,
+        mode,
+    } = case;
+    let mut cluster = Cluster::new();
+    cluster.add_pod(0, "a");
+    cluster.add_pod(0, "b");
+    cluster.add_pod(0, "c"); // the client pod of the pod variants
+    for p in &cluster.pods {
+        // Server-side TIME_WAIT would refuse reused (masqueraded) tuples.
+        p.ns.sysctl("net/ipv4/tcp_max_tw_buckets", "0");
+    }
+    cluster.client.ns.sysctl("net/ipv4/tcp_max_tw_buckets", "0");
+    cluster.route_from_client("10.96.0.0/11", 0);
+    cluster.route_from_client("10.244.1.0/24", 0);
+    let (a, b) = (cluster.pod("a"), cluster.pod("b"));
+    let eps = [
+        SocketAddrV4::new(a.ip, POD_PORT),
+        SocketAddrV4::new(b.ip, POD_PORT),
+    ];
+    let servers = [
+        Nginx::start(a.ns.name(), eps[0], 1),
+        Nginx::start(b.ns.name(), eps[1], 1),
+    ];
+    let node_ns = cluster.nodes[0].ns().name().to_owned();
+    let mut node: Option<NodeDatapath> = None;
+    let dst = match variant {
+        Variant::Direct | Variant::PodDirect => eps[0],
+        Variant::Nftables => {
+            run_stdin(&node_ns, "nft", &["-f", "-"], &nft_rules(&services(n, &eps, 2)));
+            SocketAddrV4::new(MEASURED_VIP, 80)
+        }
+        Variant::IptablesLast => {
+            run_stdin(
+                &node_ns,
+                "iptables-legacy-restore",
+                &[],
+                &iptables_rules(&services(n, &eps, 2)),
+            );
+            SocketAddrV4::new(MEASURED_VIP, 80)
+        }
+        _ => {
+            let xdp = if variant == Variant::MasqueradedXdp {
+                XdpMode::Native
+            } else {
+                XdpMode::Auto
+            };
+            let opts = LoadOptions {
+                max_services: n + 16,
+                max_backends: 2 * n + 16,
+                max_service_entries: 4 * n + 64,
+                ct_entries: 262_144,
+                affinity_entries: 1024,
+                ipv6: true,
+            };
+            let mut dp = cluster.start_datapath_with(0, &opts, xdp);
+            let mut measured = TestService::new(0, "measured", Protocol::Tcp, 80)
+                .cluster_ip(MEASURED_VIP)
+                .endpoint(TestEndpoint::ready(*eps[0].ip(), POD_PORT, 0))
+                .endpoint(TestEndpoint::ready(*eps[1].ip(), POD_PORT, 0));
+            if variant == Variant::LocalNodePort {
+                measured = measured.node_port(NODE_PORT).external_local();
+            }
+            let mut svcs = vec![measured];
+            svcs.extend((1..n).map(filler));
+            let refs: Vec<&TestService> = svcs.iter().collect();
+            dp.program(&refs);
+            node = Some(dp);
+            match variant {
+                Variant::LocalNodePort => SocketAddrV4::new(cluster.nodes[0].ip(), NODE_PORT),
+                Variant::NonService => eps[0],
+                _ => SocketAddrV4::new(MEASURED_VIP, 80),
+            }
+        }
+    };
+    let from = match variant {
+        Variant::PodDirect | Variant::PodClusterIp => cluster.pod("c").ns.name().to_owned(),
+        _ => cluster.client.ns.name().to_owned(),
+    };
+    // Warm-up: ARP, caches, first connections.
+    let server = servers[0].child.id();
+    let _ = wrk(&from, dst, mode, Duration::from_secs(1), server);
+    let before = node.as_ref().map(counters);
+    let mut s = wrk(&from, dst, mode, duration, server);
+    if let (Some(dp), Some(before)) = (&node, before) {
+        let after = counters(dp);
+        s.drops = after.0 - before.0;
+        s.snat_exhausted = after.1 - before.1;
+        s.flows = after
+            .2
+            .iter()
+            .zip(&before.2)
+            .map(|((k, a), (_, b))| (*k, a - b))
+            .collect();
+    }
+    s
+}
+
+/// (dropped packets, SNAT exhaustion drops, flow stats) of a datapath.
+fn counters(dp: &NodeDatapath) -> (u64, u64, Vec<(FlowStat, u64)>) {
+    let maps = dp.datapath.maps();
+    let drops = maps
+        .counters()
+        .unwrap()
+        .iter()
+        .filter(|(e, _)| e.is_drop())
+        .map(|(_, c)| c.packets)
+        .sum();
+    let snat = maps.counter(Event::DropSnatExhausted).unwrap().packets;
+    (drops, snat, maps.flow_stats().unwrap())
+}
+
+/// The cases of a full (or quick) run.
+pub fn cases(quick: bool) -> Vec<Case> {
+    let c = |services, variant, mode| Case {
+        services,
+        variant,
+        mode,
+    };
+    let big = if quick { 1_000 } else { 10_000 };
+    let mut v = vec![
+        c(1, Variant::Direct, Mode::Close),
+        c(1, Variant::Masqueraded, Mode::Close),
+    ];
+    if !quick {
+        v.push(c(1_000, Variant::Masqueraded, Mode::Close));
+    }
+    v.extend([
+        c(big, Variant::Masqueraded, Mode::Close),
+        c(big, Variant::MasqueradedXdp, Mode::Close),
+        c(big, Variant::LocalNodePort, Mode::Close),
+        c(big, Variant::NonService, Mode::Close),
+        c(big, Variant::Nftables, Mode::Close),
+        c(big, Variant::IptablesLast, Mode::Close),
+        c(1, Variant::PodDirect, Mode::Close),
+        c(big, Variant::PodClusterIp, Mode::Close),
+        c(1, Variant::Direct, Mode::KeepAlive),
+        c(big, Variant::Masqueraded, Mode::KeepAlive),
+        c(big, Variant::Nftables, Mode::KeepAlive),
+    ]);
+    v
+}
+
+/// Runs every case `rounds` times, interleaved (A B C A B C ...).
+pub fn run(cases: &[Case], rounds: usize, duration: Duration) -> Vec<Row> {
+    let mut samples: Vec<Vec<Sample>> = vec![Vec::new(); cases.len()];
+    for round in 0..rounds {
+        for (i, case) in cases.iter().enumerate() {
+            eprintln!(
+                "bench: end to end, round {}/{rounds}: {} Services, {}, {}",
+                round + 1,
+                case.services,
+                case.variant.name(),
+                case.mode.name()
+            );
+            samples[i].push(once(*case, duration));
+        }
+    }
+    cases
+        .iter()
+        .zip(samples)
+        .map(|(case, s)| {
+            let cpu_count = s[0].cpus.len();
+            let cpus = (0..cpu_count)
+                .map(|k| {
+                    (
+                        stat(s.iter().map(|x| x.cpus[k].0).collect()).median,
+                        stat(s.iter().map(|x| x.cpus[k].1).collect()).median,
+                    )
+                })
+                .collect();
+            let mut flows: Vec<(FlowStat, u64)> = Vec::new();
+            for x in &s {
+                for (k, n) in &x.flows {
+                    match flows.iter_mut().find(|(f, _)| f == k) {
+                        Some((_, total)) => *total += n,
+                        None => flows.push((*k, *n)),
+                    }
+                }
+            }
+            Row {
+                case: *case,
+                rate: stat(s.iter().map(|x| x.requests_per_s).collect()),
+                p50: stat(s.iter().map(|x| x.p50_us).collect()),
+                p99: stat(s.iter().map(|x| x.p99_us).collect()),
+                errors: s.iter().map(|x| x.errors).sum(),
+                wrk_user: stat(s.iter().map(|x| x.wrk_user).collect()).median,
+                nginx_user: stat(s.iter().map(|x| x.nginx_user).collect()).median,
+                drops: s.iter().map(|x| x.drops).sum(),
+                snat_exhausted: s.iter().map(|x| x.snat_exhausted).sum(),
+                cpus,
+                flows,
+            }
+        })
+        .collect()
+}
+
+/// Sustained masqueraded churn for `duration` (the SNAT port space goes
+/// round several times), against the same load without SNAT.
+pub fn sustained(duration: Duration, services: u32) -> Vec<Row> {
+    let cases = [
+        Case {
+            services,
+            variant: Variant::Masqueraded,
+            mode: Mode::Close,
+        },
+        Case {
+            services,
+            variant: Variant::LocalNodePort,
+            mode: Mode::Close,
+        },
+    ];
+    run(&cases, 1, duration)
+}
+
+fn baseline<'a>(rows: &'a [Row], r: &Row) -> Option<&'a Row> {
+    rows.iter().find(|b| {
+        b.case.variant == r.case.variant.baseline()
+            && b.case.mode == r.case.mode
+            && b.case.variant != r.case.variant
+    })
+}
+
+pub fn render(
+    md: &mut String,
+    rows: &[Row],
+    sustained: &[Row],
+    duration: Duration,
+    sustained_duration: Duration,
+    rounds: usize,
+) {
+    let _ = writeln!(md, "\n## End to end, against kube-proxy's rule sets\n");
+    let _ = writeln!(
+        md,
+        "Client namespace → node1 (our programs, or kube-proxy's rules) → pods on node1 over veth. Load: Debian's \
+         `wrk -t1 -c{CONNECTIONS}` (epoll, {CONNECTIONS} connections in flight) pinned to CPU 0; `nginx` (event-driven, \
+         one worker answering `200 ok`) in each pod pinned to CPU 1. *New connections*: `Connection: close` (nginx \
+         closes first; `tcp_max_tw_buckets=0` in the pods and the client, as for every masquerading benchmark); \
+         *keep-alive*: 16 connections for the whole run. {:.0} s per run after a 1 s warm-up, a fresh sandbox per \
+         run, median of {rounds} interleaved rounds (min–max). The measured ClusterIP has 2 endpoints among N \
+         Services of 2 endpoints each. kube-proxy's rules have its shapes (nftables: the `service-ips` verdict map, \
+         per-service chains, `numgen random`; iptables-legacy: KUBE-SERVICES → KUBE-SVC → KUBE-SEP, the measured \
+         Service last). Our datapath runs its ingress path in TC on these veth devices (`--xdp-mode auto`) except \
+         where the variant says native XDP (the switch side runs a pass-through XDP program so that XDP's frames \
+         get through). *CPU*: each CPU's busy share during the run and the kernel's part of it (system + softirq + \
+         irq); *drops*: our datapath's dropped packets (any reason) and SNAT exhaustion over all rounds.\n",
+        duration.as_secs_f64()
+    );
+    let _ = writeln!(
+        md,
+        "| services | variant | mode | requests/s | vs baseline | p50 (µs) | p99 (µs) | CPU0 busy (kernel) | CPU1 busy (kernel) | errors | drops (SNAT exhausted) |"
+    );
+    let _ = writeln!(md, "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for r in rows.iter().chain(sustained) {
+        let ratio = baseline(rows, r).map_or("—".to_owned(), |b| {
+            format!("{:.2}×", r.rate.median / b.rate.median)
+        });
+        let cpu = |k: usize| {
+            r.cpus.get(k).map_or("—".to_owned(), |(busy, kernel)| {
+                format!("{:.0}% ({:.0}%)", busy * 100.0, kernel * 100.0)
+            })
+        };
+        let drops = if r.case.variant.ours() {
+            format!("{} ({})", r.drops, r.snat_exhausted)
+        } else {
+            "—".to_owned()
+        };
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | {:.0} ({:.0}–{:.0}) | {ratio} | {:.0} | {:.0} | {} | {} | {} | {drops} |",
+            r.case.services,
+            r.case.variant.name(),
+            r.case.mode.name(),
+            r.rate.median,
+            r.rate.min,
+            r.rate.max,
+            r.p50.median,
+            r.p99.median,
+            cpu(0),
+            cpu(1),
+            r.errors,
+        );
+    }
+    let find = |v: Variant, mode: Mode| rows.iter().rfind(|r| r.case.variant == v && r.case.mode == mode);
+    let ratio = |a: Option<&Row>, b: Option<&Row>| match (a, b) {
+        (Some(a), Some(b)) => a.rate.median / b.rate.median,
+        _ => f64::NAN,
+    };
+    let masq = find(Variant::Masqueraded, Mode::Close);
+    let direct = find(Variant::Direct, Mode::Close);
+    let _ = writeln!(
+        md,
+        "\nGoals at {} Services (issue 11): new connections ≥ 0.95× direct: **{:.2}×**; ≥ 1.3× kube-proxy nftables: \
+         **{:.2}×**; non-service traffic ≥ 0.98× direct: **{:.2}×**; keep-alive ≥ 0.98× direct: **{:.2}×**; \
+         native XDP vs TC on veth for the same load: {:.2}×.",
+        masq.map_or(0, |r| r.case.services),
+        ratio(masq, direct),
+        ratio(masq, find(Variant::Nftables, Mode::Close)),
+        ratio(find(Variant::NonService, Mode::Close), direct),
+        ratio(
+            find(Variant::Masqueraded, Mode::KeepAlive),
+            find(Variant::Direct, Mode::KeepAlive)
+        ),
+        ratio(find(Variant::MasqueradedXdp, Mode::Close), masq),
+    );
+    if let (Some(d), Some(s)) = (direct, sustained.first()) {
+        let (busy, kernel) = d.cpus.first().copied().unwrap_or_default();
+        let (busy1, kernel1) = d.cpus.get(1).copied().unwrap_or_default();
+        let _ = writeln!(
+            md,
+            "\nWhat bounds the direct baseline: CPU 0 (wrk, and the kernel path its packets take through the node) \
+             is {:.0}% busy, {:.0}% of that in the kernel, and wrk's own user space takes {:.0}% of a CPU; CPU 1 \
+             (nginx, and the replies' path) is {:.0}% busy, {:.0}% in the kernel, nginx's user space {:.0}%. \
+             Sustained masquerading: {:.0} s of new connections through SNAT at {:.0}/s vs {:.0}/s without SNAT \
+             ({:.2}×), {} SNAT exhaustion drops; new flows: {}.",
+            busy * 100.0,
+            kernel * 100.0,
+            d.wrk_user * 100.0,
+            busy1 * 100.0,
+            kernel1 * 100.0,
+            d.nginx_user * 100.0,
+            sustained_duration.as_secs_f64(),
+            s.rate.median,
+            sustained.get(1).map_or(0.0, |n| n.rate.median),
+            s.rate.median / sustained.get(1).map_or(f64::NAN, |n| n.rate.median),
+            s.snat_exhausted,
+            s.flows
+                .iter()
+                .map(|(k, n)| format!("{} {n}", k.name()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+}
+
+pub fn json(rows: &[Row], sustained: &[Row]) -> String {
+    let st = |x: Stat| {
+        format!(
+            "{{\"median\":{:.1},\"min\":{:.1},\"max\":{:.1}}}",
+            x.median, x.min, x.max
+        )
+    };
+    let e: Vec<String> = rows
+        .iter()
+        .chain(sustained)
+        .map(|r| {
+            format!(
+                "{{\"services\":{},\"variant\":{:?},\"mode\":{:?},\"requests_per_s\":{},\"p50_us\":{},\"p99_us\":{},\"errors\":{},\"drops\":{},\"snat_exhausted\":{}}}",
+                r.case.services,
+                r.case.variant.name(),
+                r.case.mode.name(),
+                st(r.rate),
+                st(r.p50),
+                st(r.p99),
+                r.errors,
+                r.drops,
+                r.snat_exhausted
+            )
+        })
+        .collect();
+    format!(",\"end_to_end\":[{}]", e.join(","))
+}
