@@ -297,20 +297,22 @@ pub fn create<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>,
 /// so that of two CPUs racing for the key exactly one wins).
 #[inline(always)]
 pub fn claim<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, value: &CtEntry<F::A>, now: u64) -> Claim {
-    if F::ct().insert(key, value, BPF_NOEXIST as u64).is_ok() {
-        return Claim::Free;
-    }
-    if let Some(old) = F::ct().get_ptr(key)
+    // Look before inserting: an insert that fails on an existing key costs
+    // the LRU a node taken and given back, several times a lookup.
+    let taken = match F::ct().get_ptr(key) {
         // SAFETY: a map value pointer; read once.
-        && !reusable(cfg, key.proto, &unsafe { *old }, now)
-    {
-        return Claim::Busy;
-    }
-    let _ = F::ct().remove(key);
-    if F::ct().insert(key, value, BPF_NOEXIST as u64).is_ok() {
-        Claim::TakenOver
-    } else {
-        Claim::Busy
+        Some(old) if !reusable(cfg, key.proto, &unsafe { *old }, now) => return Claim::Busy,
+        Some(_) => {
+            let _ = F::ct().remove(key);
+            true
+        }
+        None => false,
+    };
+    // BPF_NOEXIST: of CPUs racing for the key, exactly one wins.
+    match (F::ct().insert(key, value, BPF_NOEXIST as u64).is_ok(), taken) {
+        (false, _) => Claim::Busy,
+        (true, false) => Claim::Free,
+        (true, true) => Claim::TakenOver,
     }
 }
 
