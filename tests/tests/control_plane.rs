@@ -121,10 +121,29 @@ fn one_agent_per_pin_directory_and_cleanup_refuses_a_running_one() {
     assert!(s.served());
     assert!(s.agent.pin_dir.join("maps").exists());
 
-    // --force removes the pins; the agent notices within a second and
-    // exits (a restart pins and attaches again).
+    // Pointed at the bpffs directory holding the pins (not a pin directory
+    // itself), cleanup removes nothing, even with --force: other agents' and
+    // other tools' pins live there.
+    let parent = s.agent.pin_dir.parent().unwrap().to_str().unwrap().to_owned();
+    let wrong = s.run(&["cleanup", "--bpffs-dir", &parent, "--force"]);
+    assert!(!wrong.status.success(), "cleanup of {parent} must refuse");
+    assert!(
+        stderr(&wrong).contains("not an agent's pin directory"),
+        "{}",
+        stderr(&wrong)
+    );
+    assert!(s.agent.pin_dir.join("maps").exists());
+    assert!(s.served());
+
+    // --force removes the pins, and only them; the agent notices within a
+    // second and exits (a restart pins and attaches again).
+    let foreign = s.agent.pin_dir.join("foreign");
+    std::fs::create_dir(&foreign).unwrap();
     let forced = s.run(&["cleanup", "--bpffs-dir", &s.pins(), "--force"]);
     assert!(forced.status.success(), "{}", stderr(&forced));
+    assert!(!s.agent.pin_dir.join("maps").exists() && !s.agent.pin_dir.join("links").exists());
+    assert!(foreign.is_dir(), "what is not the agent's stays");
+    std::fs::remove_dir(&foreign).unwrap();
     let status = s
         .agent
         .wait_exit(Duration::from_secs(15))
@@ -205,6 +224,17 @@ fn a_restart_with_other_limits_resizes_the_pinned_maps_and_keeps_connections() {
         "{why}"
     );
     assert!(s.served(), "the datapath keeps forwarding");
+    // Conntrack too: a smaller copy would drop established flows.
+    let mut args = s.agent.run_args();
+    let at = args.iter().position(|a| a == "--conntrack-entries").unwrap();
+    args[at + 1] = "2".into();
+    let refused = s.agent.run_in_node(&args, Duration::from_secs(20));
+    assert!(!refused.status.success());
+    let why = stderr(&refused);
+    assert!(
+        why.contains("--conntrack-entries 2 is too small") && why.contains("tracked flow entries"),
+        "{why}"
+    );
     s.agent.restart(&dataplane_tests::netns::NetNs::adopt(&ns));
     assert_eq!(long.request("again").unwrap().server, backend);
 }

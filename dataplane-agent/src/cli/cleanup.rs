@@ -19,7 +19,15 @@ pub fn run(args: &CleanupArgs) -> anyhow::Result<()> {
         println!("nothing pinned at {}", args.bpffs_dir.display());
         return Ok(());
     }
-    let pins = PinDir::create(&args.bpffs_dir)?;
+    // Only an agent's pin directory: never whatever else lives in bpffs
+    // (a bpffs root, another tool's pins).
+    let Some(pins) = PinDir::open_partial(&args.bpffs_dir) else {
+        anyhow::bail!(
+            "{} is not an agent's pin directory (it has no maps/ or links/): nothing removed; pass the \
+             directory the agent runs with (--bpffs-dir of `dataplane-agent run`, default /sys/fs/bpf/dataplane)",
+            args.bpffs_dir.display()
+        );
+    };
     // Held while removing, so that no agent starts on the pins meanwhile.
     let _lock = match pins.lock() {
         Ok(lock) => Some(lock),

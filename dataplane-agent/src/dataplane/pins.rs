@@ -171,6 +171,14 @@ impl PinDir {
         })
     }
 
+    /// An existing pin directory, possibly partly removed (`cleanup`):
+    /// `None` unless it holds `maps/` or `links/`.
+    pub fn open_partial(root: &Path) -> Option<Self> {
+        Self::is_pin_dir(root).then(|| Self {
+            root: root.to_owned(),
+        })
+    }
+
     /// Takes the directory for this process (until it exits); refused while
     /// another process holds it.
     pub fn lock(&self) -> Result<PinLock, PinDirError> {
@@ -296,11 +304,33 @@ impl PinDir {
         removed
     }
 
-    /// Removes every pin: links detach, maps go once unused.
+    /// Whether `root` holds an agent's pins (its `maps/` or `links/`).
+    pub fn is_pin_dir(root: &Path) -> bool {
+        root.join("maps").is_dir() || root.join("links").is_dir()
+    }
+
+    /// Removes the agent's pins: links first (the programs detach), then
+    /// maps (released once unused). Only `links/` and `maps/` are removed,
+    /// and the directory itself when nothing else is left in it: anything
+    /// else under it (another tool's pins, another agent's directory) stays.
     pub fn remove_all(&self) -> std::io::Result<()> {
-        match std::fs::remove_dir_all(&self.root) {
+        let ignore_missing = |r: std::io::Result<()>| match r {
             Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
             _ => Ok(()),
+        };
+        for sub in ["links", "maps"] {
+            ignore_missing(std::fs::remove_dir_all(self.root.join(sub)))?;
+        }
+        match std::fs::remove_dir(&self.root) {
+            Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty => Ok(()),
+            // A bpffs mount point itself cannot be removed: its pins are gone.
+            Err(e)
+                if e.kind() == std::io::ErrorKind::PermissionDenied
+                    || e.raw_os_error() == Some(libc::EBUSY) =>
+            {
+                Ok(())
+            }
+            r => ignore_missing(r),
         }
     }
 }
@@ -493,7 +523,7 @@ impl PinDir {
             root: self.root.clone(),
         };
         match map {
-            names::LB4_BACKENDS => match highest {
+            names::LB4_BACKENDS | names::LB6_BACKENDS => match highest {
                 Some(h) if h >= to => Err(too_small(format!("backend id {h}"), h as u64 + 1)),
                 _ => Ok(()),
             },
@@ -505,9 +535,16 @@ impl PinDir {
                 )),
                 _ => Ok(()),
             },
-            names::LB4_SERVICES if count > to as u64 => Err(too_small(format!("{count} entries"), count)),
-            // Counters of ids that cannot exist any more, and LRU maps
-            // (which evict the least recently used entries).
+            names::LB4_SERVICES | names::LB6_SERVICES if count > to as u64 => {
+                Err(too_small(format!("{count} entries"), count))
+            }
+            // Conntrack is an LRU map, but a copy into a smaller one would
+            // drop established flows: refused like the rest.
+            names::CT4 | names::CT6 if count > to as u64 => {
+                Err(too_small(format!("{count} tracked flow entries"), count))
+            }
+            // Counters of ids that cannot exist any more, and the affinity
+            // maps (LRU: a client's affinity is only a preference).
             _ => Ok(()),
         }
     }
