@@ -65,20 +65,28 @@ impl std::str::FromStr for NodePortAddresses {
     }
 }
 
-/// The optional config file (YAML). Every key mirrors a flag.
+/// The optional config file (YAML). Every key mirrors a flag. Keys that
+/// take several values (addresses, devices, CIDRs) take them as a YAML list
+/// or, as the flag does, as one comma-separated string.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ConfigFile {
     pub node_name: Option<String>,
+    #[serde(default, deserialize_with = "list::parsed")]
     pub node_ip: Option<Vec<IpAddr>>,
+    #[serde(default, deserialize_with = "list::parsed")]
     pub devices: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "list::parsed")]
     pub pod_interfaces: Option<Vec<String>>,
     pub bpffs_dir: Option<PathBuf>,
     pub source: Option<String>,
-    /// One CIDR, or one per family separated by a comma (kube-proxy's
-    /// `clusterCIDR`).
+    /// One CIDR, or one per family (kube-proxy's `clusterCIDR`).
+    #[serde(default, deserialize_with = "list::joined")]
     pub cluster_cidr: Option<String>,
+    #[serde(default, deserialize_with = "list::parsed")]
     pub service_cidr: Option<Vec<String>>,
+    /// `all`, `primary`, or CIDRs.
+    #[serde(default, deserialize_with = "list::joined")]
     pub node_port_addresses: Option<String>,
     pub masquerade_all: Option<bool>,
     pub health_bind_address: Option<String>,
@@ -193,4 +201,104 @@ pub fn interface_matches(patterns: &[String], name: &str) -> bool {
         Some(prefix) => name.starts_with(prefix),
         None => name == p,
     })
+}
+
+/// Config-file values that are lists: a YAML sequence, or one string with
+/// the items separated by commas (as the flags take them).
+mod list {
+    use std::{fmt, marker::PhantomData, str::FromStr};
+
+    use serde::de::{self, Deserializer, SeqAccess, Visitor};
+
+    /// The items as strings, from either form.
+    fn items<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+        struct Items(PhantomData<()>);
+        impl<'de> Visitor<'de> for Items {
+            type Value = Vec<String>;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a list, or a comma-separated string")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+                Ok(v.split(',')
+                    .map(str::trim)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_owned)
+                    .collect())
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(item) = seq.next_element::<String>()? {
+                    out.push(item.trim().to_owned());
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_any(Items(PhantomData))
+    }
+
+    /// Each item parsed as `T`.
+    pub fn parsed<'de, D, T>(d: D) -> Result<Option<Vec<T>>, D::Error>
+    where
+        D: Deserializer<'de>,
+        T: FromStr,
+        T::Err: fmt::Display,
+    {
+        items(d)?
+            .into_iter()
+            .map(|s| {
+                s.parse::<T>()
+                    .map_err(|e| de::Error::custom(format!("`{s}`: {e}")))
+            })
+            .collect::<Result<Vec<T>, _>>()
+            .map(Some)
+    }
+
+    /// The items joined with commas, as the flag takes them.
+    pub fn joined<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        Ok(Some(items(d)?.join(",")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn file(text: &str) -> ConfigFile {
+        serde_saphyr::from_str(text).unwrap_or_else(|e| panic!("{text}: {e}"))
+    }
+
+    #[test]
+    fn list_keys_take_a_list_or_a_comma_separated_string() {
+        let as_lists = file(
+            "nodeIp: [198.18.0.11, 2001:db8::11]\ndevices: [eth0, eth1]\npodInterfaces: ['veth*']\n\
+             clusterCidr: [10.244.0.0/16, 'fd00:10:244::/56']\nserviceCidr: [10.96.0.0/16]\n\
+             nodePortAddresses: [198.18.0.0/24]\n",
+        );
+        let as_strings = file(
+            "nodeIp: 198.18.0.11,2001:db8::11\ndevices: eth0, eth1\npodInterfaces: 'veth*'\n\
+             clusterCidr: 10.244.0.0/16,fd00:10:244::/56\nserviceCidr: 10.96.0.0/16\n\
+             nodePortAddresses: 198.18.0.0/24\n",
+        );
+        for f in [&as_lists, &as_strings] {
+            assert_eq!(
+                f.node_ip.as_deref(),
+                Some(&["198.18.0.11".parse().unwrap(), "2001:db8::11".parse().unwrap()][..])
+            );
+            assert_eq!(
+                f.devices.as_deref(),
+                Some(&["eth0".to_owned(), "eth1".to_owned()][..])
+            );
+            assert_eq!(f.pod_interfaces.as_deref(), Some(&["veth*".to_owned()][..]));
+            assert_eq!(f.cluster_cidr.as_deref(), Some("10.244.0.0/16,fd00:10:244::/56"));
+            assert_eq!(f.service_cidr.as_deref(), Some(&["10.96.0.0/16".to_owned()][..]));
+            assert_eq!(f.node_port_addresses.as_deref(), Some("198.18.0.0/24"));
+        }
+        assert!(file("nodeName: n\n").node_ip.is_none());
+    }
+
+    #[test]
+    fn a_bad_list_item_is_named() {
+        let e = serde_saphyr::from_str::<ConfigFile>("nodeIp: [198.18.0.11, not-an-ip]\n").unwrap_err();
+        assert!(e.to_string().contains("not-an-ip"), "{e}");
+    }
 }

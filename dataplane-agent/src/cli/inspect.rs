@@ -316,8 +316,8 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                             "{:<16} {:<28} {:>12} {:>14}\n",
                             e["hook"].as_str().unwrap_or(""),
                             e["event"].as_str().unwrap_or(""),
-                            e["packets"],
-                            e["bytes"]
+                            e["packets"].as_u64().unwrap_or(0),
+                            e["bytes"].as_u64().unwrap_or(0)
                         ));
                     }
                     out.push_str(&format!("\n{:<45} {:>12}\n", "NEW FLOWS", "COUNT"));
@@ -325,7 +325,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                         out.push_str(&format!(
                             "{:<45} {:>12}\n",
                             f["stat"].as_str().unwrap_or(""),
-                            f["count"]
+                            f["count"].as_u64().unwrap_or(0)
                         ));
                     }
                     out.push_str(&format!(
@@ -336,8 +336,8 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                         out.push_str(&format!(
                             "{:<48} {:>12} {:>14}\n",
                             s["service"].as_str().unwrap_or(""),
-                            s["packets"],
-                            s["bytes"]
+                            s["packets"].as_u64().unwrap_or(0),
+                            s["bytes"].as_u64().unwrap_or(0)
                         ));
                     }
                     out
@@ -387,9 +387,9 @@ fn health(output: &str, addr: &str) -> anyhow::Result<()> {
                     c["namespace"].as_str().unwrap_or(""),
                     c["name"].as_str().unwrap_or("")
                 ),
-                c["port"],
-                c["localEndpoints"],
-                c["status"]
+                c["port"].to_string(),
+                c["localEndpoints"].to_string(),
+                c["status"].to_string()
             ));
         }
         out

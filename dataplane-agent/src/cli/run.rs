@@ -37,6 +37,7 @@ pub struct RunArgs {
     #[arg(long, value_delimiter = ',')]
     pub pod_interfaces: Vec<String>,
     /// Per-instance pin directory in bpffs (maps and links survive restarts).
+    /// Default: /sys/fs/bpf/dataplane.
     #[arg(long)]
     pub bpffs_dir: Option<PathBuf>,
     /// `manifests:PATH[,PATH...]` (YAML/JSON files or directories, reloaded on
@@ -58,30 +59,40 @@ pub struct RunArgs {
     #[arg(long)]
     pub masquerade_all: bool,
     /// /healthz and /livez; healthCheckNodePort servers bind the same IP.
+    /// Default: 0.0.0.0:10256 (kube-proxy's).
     #[arg(long)]
     pub health_bind_address: Option<String>,
+    /// Prometheus metrics (/metrics). Default: 127.0.0.1:10249 (kube-proxy's).
     #[arg(long)]
     pub metrics_bind_address: Option<String>,
     /// Full resync period; /healthz fails after twice this without a sync.
+    /// Default: 30.
     #[arg(long)]
     pub sync_period_seconds: Option<u64>,
     /// At most one sync per this many milliseconds: changes arriving faster
     /// are coalesced (a change after a quiet spell is synced at once).
+    /// Default: 100.
     #[arg(long)]
     pub min_sync_period_ms: Option<u64>,
     /// API server URL (the `kubernetes` ClusterIP is served by this agent, so
     /// it cannot be used to reach the API server).
     #[arg(long)]
     pub k8s_api_server: Option<String>,
+    /// Kubeconfig file for the API server's address and credentials.
+    /// Default: inferred ($KUBECONFIG, ~/.kube/config, or the in-cluster service account).
     #[arg(long)]
     pub kubeconfig: Option<PathBuf>,
-    /// `text` or `json`.
+    /// `text` or `json`. Default: text.
     #[arg(long)]
     pub log_format: Option<String>,
+    /// Service ports the maps hold (sizes the services and names maps).
+    /// Default: 65536.
     #[arg(long)]
     pub max_services: Option<u32>,
+    /// Backends (endpoint address and port) the maps hold. Default: 131072.
     #[arg(long)]
     pub max_backends: Option<u32>,
+    /// Conntrack entries (LRU): a flow takes two. Default: 262144.
     #[arg(long)]
     pub conntrack_entries: Option<u32>,
     /// cgroup v2 directory whose processes get connect-time translation

@@ -35,6 +35,7 @@ pub struct TraceArgs {
     /// Services, EndpointSlices (and optionally the Node): files or directories.
     #[arg(long = "manifests", required_unless_present = "live")]
     pub manifests: Vec<PathBuf>,
+    /// The node traced (EndpointSlice nodeName of its local endpoints).
     #[arg(long)]
     pub node_name: String,
     /// The node's IPs, one per family it serves (`198.18.0.11,2001:db8::11`).
@@ -49,6 +50,7 @@ pub struct TraceArgs {
     /// `all`, `primary` or CIDR[,CIDR...] (the node's addresses are --node-ip).
     #[arg(long, default_value = "all")]
     pub node_port_addresses: NodePortAddresses,
+    /// As `run --masquerade-all` (kube-proxy's masqueradeAll).
     #[arg(long)]
     pub masquerade_all: bool,
     /// `external` (a client off the node, on an external device), `pod` (a pod
@@ -61,8 +63,10 @@ pub struct TraceArgs {
     /// IP:PORT, `10.96.0.10:80` or `[fd00:10:96::a]:80`.
     #[arg(long)]
     pub dst: SocketAddr,
+    /// `tcp`, `udp` or `sctp`.
     #[arg(long)]
     pub proto: String,
+    /// `table` or `json`.
     #[arg(short = 'o', long, default_value = "table")]
     pub output: String,
     /// Use a running agent's pinned maps (copied, read-only) instead of
@@ -216,6 +220,16 @@ fn program_from_manifests(args: &TraceArgs, maps: &mut LbMaps) -> anyhow::Result
     let objects = manifests::load(&args.manifests).context("cannot use --manifests")?;
     for p in &objects.problems {
         eprintln!("warning: {p}");
+    }
+    if objects.services.is_empty() {
+        eprintln!(
+            "warning: no Service in {}: every packet is traced against an empty table",
+            args.manifests
+                .iter()
+                .map(|m| m.display().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
     }
     let mut store = Store::default();
     objects.replace_store(&mut store, &args.node_name);
@@ -586,7 +600,16 @@ fn trace_host(
             _ => {}
         }
         if let Err(e) = connected {
-            o.steps.push(format!("connect(): {e}"));
+            // After a translation the connect() itself fails in the
+            // throwaway namespace (no routes: nothing may leave); only a
+            // rejected or untouched connect's error tells something.
+            if o.verdict == "forward" {
+                o.steps.push(format!(
+                    "connect() then returned \"{e}\" in the trace's empty network namespace (expected: nothing is sent)"
+                ));
+            } else {
+                o.steps.push(format!("connect(): {e}"));
+            }
         }
         Ok(o)
     })();

@@ -240,17 +240,19 @@ fn read_file(file: &Path) -> Result<String, Problem> {
     })
 }
 
-/// The parser's limits for an input of `len` bytes. Every document, node and
-/// event takes at least a byte of input, so these follow the input's size:
-/// no valid file is refused and the work stays linear in it. Aliases and
-/// anchors keep serde-saphyr's own limits (alias bombs), nesting its depth
-/// limit.
+/// The parser's limits for an input of `len` bytes: serde-saphyr's
+/// defaults (which bound alias bombs: a small file whose aliases expand to
+/// millions of nodes is refused), raised for large inputs. Every document,
+/// node and event takes at least a byte of input, so a large file gets
+/// limits that follow its size (plus the same headroom for aliases): no
+/// valid file is refused and the work stays linear in it. Aliases and
+/// anchors keep serde-saphyr's own counts, nesting its depth limit.
 fn parse_options(len: usize) -> serde_saphyr::Options {
     let mut budget = serde_saphyr::Budget::default();
-    budget.max_documents = len + 16;
-    budget.max_nodes = len + 16;
-    budget.max_events = 2 * len + 64;
-    budget.max_total_scalar_bytes = len + 16;
+    budget.max_documents = budget.max_documents.max(len + 16);
+    budget.max_nodes = budget.max_nodes.max(2 * len + 16);
+    budget.max_events = budget.max_events.max(4 * len + 64);
+    budget.max_total_scalar_bytes = budget.max_total_scalar_bytes.max(2 * len + 16);
     let mut options = serde_saphyr::Options::default();
     options.budget = Some(budget);
     options.with_snippet = false;
@@ -758,6 +760,23 @@ mod tests {
             let err = parse(&text, "bomb.yaml").expect_err("refused");
             assert_eq!(err.reason, SkipReason::Syntax, "{err}");
         }
+    }
+
+    /// Anchors and aliases are plain YAML: a small file that reuses a node
+    /// several times (its expansion larger than the file) is accepted.
+    #[test]
+    fn anchors_and_aliases_in_a_valid_file_are_accepted() {
+        let mut text = String::from(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-1\n  namespace: default\n  \
+             labels: {kubernetes.io/service-name: web}\naddressType: IPv4\nports: [{name: http, port: 8080}]\n\
+             endpoints:\n- addresses: [10.244.0.1]\n  conditions: &c {ready: true, serving: true, terminating: false}\n",
+        );
+        for i in 2..40 {
+            text.push_str(&format!("- addresses: [10.244.0.{i}]\n  conditions: *c\n"));
+        }
+        let o = parse(&text, "alias.yaml").unwrap_or_else(|p| panic!("refused: {p}"));
+        assert_eq!(o.slices.len(), 1);
+        assert!(o.problems.is_empty(), "{:?}", o.problems);
     }
 
     const WEB: &str = "apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec:\n  clusterIP: 10.96.0.10\n  ports: [{name: http, port: 80}]\n";
