@@ -289,3 +289,60 @@ fn a_pin_directory_off_bpffs_blocks() {
             .contains("is not on a bpffs mount")
     );
 }
+
+/// Two copies of the datapath on one device (an agent run on another pin
+/// directory, or its leftover): both translate the same packets. Named, with
+/// the cleanup command, as a warning.
+#[test]
+fn a_second_copy_of_the_datapath_on_a_device_is_named() {
+    use dataplane_agent::dataplane::{Datapath, LoadOptions, XdpMode};
+    let node = node();
+    let attach = || {
+        node.ns.run(|| {
+            let opts = LoadOptions {
+                max_services: 16,
+                max_backends: 16,
+                max_service_entries: 64,
+                ct_entries: 64,
+                affinity_entries: 16,
+                ipv6: false,
+            };
+            let mut dp = Datapath::load_with(&opts).expect("load the datapath");
+            dp.attach_external("eth0", XdpMode::Off).expect("attach to eth0");
+            dp
+        })
+    };
+    let _first = attach();
+    let (out, v) = check(&node, &[]);
+    assert!(out.status.success(), "{v}");
+    assert!(findings(&v, "eth0", "warn").is_empty(), "one copy is fine: {v}");
+
+    let _second = attach();
+    let (out, v) = check(&node, &[]);
+    assert!(out.status.success(), "a warning, not a blocker: {v}");
+    let warn = findings(&v, "eth0", "warn");
+    assert_eq!(warn.len(), 2, "ingress and egress: {v}");
+    for w in warn {
+        let message = w["message"].as_str().unwrap();
+        assert!(message.contains("2 copies of the datapath"), "{message}");
+        assert!(
+            w["fix"].as_str().unwrap().contains("dataplane-agent cleanup"),
+            "{w}"
+        );
+    }
+}
+
+/// A node IP no device holds would be a SNAT address whose replies never
+/// come back: named.
+#[test]
+fn a_node_ip_no_device_holds_is_named() {
+    let node = node();
+    let (out, v) = check(&node, &["--node-ip", "203.0.113.1"]);
+    assert!(out.status.success(), "a warning, not a blocker: {v}");
+    let warn = findings(&v, "node-ip", "warn");
+    assert_eq!(warn.len(), 1, "{v}");
+    assert!(
+        warn[0]["message"].as_str().unwrap().contains("203.0.113.1"),
+        "{v}"
+    );
+}

@@ -30,6 +30,7 @@ pub struct CheckArgs {
     /// --node-ip, else those of the default routes.
     #[arg(long, value_delimiter = ',')]
     pub devices: Vec<String>,
+    /// The node's IPs (as `run --node-ip`): they pick the default devices.
     #[arg(long, value_delimiter = ',')]
     pub node_ip: Vec<std::net::IpAddr>,
     /// As `run --pod-interfaces`: pod interfaces the patterns miss (found

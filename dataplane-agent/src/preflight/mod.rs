@@ -524,17 +524,34 @@ fn devices(opts: &Options) -> Vec<Finding> {
         }
     };
     let devices = external_devices(opts, &links);
+    let mut out = Vec::new();
+    // Each node IP is the SNAT address of its family: one no device holds
+    // would masquerade flows to an address whose replies never come back.
+    let local: Vec<std::net::IpAddr> = interfaces::ip_addresses().into_iter().map(|(_, ip)| ip).collect();
+    for ip in &opts.node_ips {
+        if !local.contains(ip) {
+            out.push(Finding::new(
+                Severity::Warn,
+                "node-ip",
+                format!(
+                    "{ip} is held by no device of this network namespace: it would be the SNAT address of \
+                     masqueraded flows, whose replies then never come back"
+                ),
+                Some("pass the node's own address (--node-ip, from the downward API's status.hostIP)".into()),
+            ));
+        }
+    }
     if devices.is_empty() {
-        return vec![Finding::new(
+        out.push(Finding::new(
             Severity::Blocker,
             "devices",
             "no external device: none holds the node IPs and there is no default route".into(),
             Some("pass --devices (and to `run`)".into()),
-        )];
+        ));
+        return out;
     }
     let features = netlink::xdp_features().unwrap_or(None);
     let names = program_names();
-    let mut out = Vec::new();
     for dev in devices {
         let Some(link) = links.iter().find(|l| l.name == dev) else {
             out.push(Finding::new(
@@ -633,6 +650,31 @@ fn devices(opts: &Options) -> Vec<Finding> {
             aya::programs::TcAttachType::Egress,
         ] {
             if let Ok((_, progs)) = aya::programs::SchedClassifier::query_tcx(&dev, direction) {
+                // Two of our programs on one hook: a second datapath (an
+                // agent run on another pin directory, or its leftover) runs
+                // beside the live one, translating packets twice.
+                let mine: Vec<String> = progs
+                    .iter()
+                    .filter(|p| p.name_as_str().is_some_and(ours))
+                    .map(|p| format!("{} (id {})", p.name_as_str().unwrap_or("?"), p.id()))
+                    .collect();
+                if mine.len() > 1 {
+                    out.push(Finding::new(
+                        Severity::Warn,
+                        &dev,
+                        format!(
+                            "{} copies of the datapath on {direction:?}: {}; an agent on another pin directory \
+                             or its leftover translates the same packets",
+                            mine.len(),
+                            mine.join(", ")
+                        ),
+                        Some(
+                            "remove the stale copy: `dataplane-agent cleanup --bpffs-dir DIR` with the directory it \
+                             was run with (see `ls /sys/fs/bpf`)"
+                                .into(),
+                        ),
+                    ));
+                }
                 for p in progs {
                     let name = p.name_as_str().unwrap_or("?");
                     if !ours(name) {
