@@ -70,7 +70,7 @@ impl TestService {
             port: ServicePort {
                 namespace: "default".into(),
                 name: name.into(),
-                port_name: String::new(),
+                port_name: "".into(),
                 proto,
                 family: IpFamily::V4,
                 port,

@@ -16,8 +16,8 @@
 //!   takes long: it may use at most [`RECONCILE_BUDGET`] of a core.
 //! - **Housekeeping** every second: pod interfaces (also at once on a
 //!   link, address or route notification), the node's addresses
-//!   (NodePort addresses follow them); datapath counters are exported every
-//!   `counters_period`, in batched reads.
+//!   (NodePort addresses follow them). The datapath's counters are not read
+//!   here: a scrape reads them ([`super::counters`]).
 
 use std::{
     collections::BTreeSet,
@@ -39,10 +39,7 @@ use super::{
     sync::{SyncKind, SyncReport, Syncer, node_context},
 };
 use crate::{dataplane::Datapath, k8s::store::Store, state::model::NodeContext};
-use dataplane_common::{
-    names,
-    stats::{Event as DpEvent, Hook},
-};
+use dataplane_common::names;
 
 /// What wakes the loop.
 pub enum Event {
@@ -65,8 +62,6 @@ pub struct Timing {
     /// Reconcile (full sync, maps re-read) this often.
     pub sync_period: Duration,
     pub housekeeping: Duration,
-    /// Export datapath counters this often.
-    pub counters_period: Duration,
 }
 
 impl Default for Timing {
@@ -75,7 +70,6 @@ impl Default for Timing {
             min_sync_period: Duration::from_millis(100),
             sync_period: Duration::from_secs(30),
             housekeeping: Duration::from_secs(1),
-            counters_period: Duration::from_secs(5),
         }
     }
 }
@@ -102,7 +96,6 @@ struct Clock {
     next_periodic: Instant,
     next_reconcile: Instant,
     next_housekeeping: Instant,
-    next_counters: Instant,
     /// A sync that left the maps unsettled: when to try again, and the
     /// backoff.
     retry: Option<(Instant, Duration)>,
@@ -126,7 +119,7 @@ impl Clock {
 
     /// The next moment something may be due.
     fn deadline(&self, store: &Store, t: &Timing, now: Instant) -> Instant {
-        let mut d = self.next_housekeeping.min(self.next_counters);
+        let mut d = self.next_housekeeping;
         if store.synced() {
             d = d.min(self.next_reconcile).min(self.next_periodic);
             if self.wanted(store, now) {
@@ -193,7 +186,6 @@ impl ControlLoop {
             next_periodic: now + t.sync_period,
             next_reconcile: now + t.sync_period,
             next_housekeeping: now,
-            next_counters: now,
             retry: None,
             node_changed: false,
         };
@@ -243,10 +235,6 @@ impl ControlLoop {
                     clock.node_changed = true;
                 }
                 clock.next_housekeeping = now + t.housekeeping;
-            }
-            if now >= clock.next_counters {
-                self.export_counters();
-                clock.next_counters = now + t.counters_period;
             }
             if !store.synced() {
                 continue;
@@ -337,48 +325,6 @@ impl ControlLoop {
         if seen_triggers.len() > 100_000 {
             seen_triggers.clear();
         }
-    }
-
-    /// Datapath counters into the metrics: batched reads (a few syscalls
-    /// whatever the number of Services or flows).
-    fn export_counters(&self) {
-        let maps = self.dp.maps();
-        let mut events = Vec::new();
-        for hook in Hook::ALL {
-            for event in DpEvent::ALL {
-                if let Ok(c) = maps.hook_counter(hook, event)
-                    && c.packets > 0
-                {
-                    events.push((
-                        hook.name().to_owned(),
-                        event.name().to_owned(),
-                        c.packets,
-                        c.bytes,
-                    ));
-                }
-            }
-        }
-        let (max_services, _, _) = maps.capacities();
-        let programmer = self.syncer.programmer();
-        let traffic: Vec<(String, u64, u64)> = match maps.all_service_stats(max_services) {
-            // Only ids that saw traffic are named.
-            Ok(stats) => stats
-                .into_iter()
-                .filter_map(|(id, c)| {
-                    let n = programmer.service_name(id)?;
-                    Some((format!("{n}/{}", n.proto), c.packets, c.bytes))
-                })
-                .collect(),
-            Err(e) => {
-                warn!(error = %e, "cannot read the per-service counters");
-                Vec::new()
-            }
-        };
-        let occupancy = maps.occupancy();
-        let mut m = self.metrics.lock().expect("metrics");
-        m.datapath_events = events;
-        m.service_traffic = traffic;
-        m.map_occupancy.extend(occupancy);
     }
 }
 

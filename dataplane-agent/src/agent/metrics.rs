@@ -327,12 +327,20 @@ pub fn render(registry: &Registry) -> String {
     out
 }
 
-pub fn server(runtime: &ServerRuntime, addr: &str, metrics: SharedMetrics) -> std::io::Result<Server> {
-    let registry = registry(metrics);
+/// Serves `/metrics`; `refresh` brings what is read on demand (the
+/// datapath's counters) up to date before each scrape is encoded.
+pub fn server(
+    runtime: &ServerRuntime,
+    addr: &str,
+    metrics: SharedMetrics,
+    refresh: impl Fn(&SharedMetrics) + Send + Sync + 'static,
+) -> std::io::Result<Server> {
+    let registry = registry(metrics.clone());
     let handler: Handler = Arc::new(move |path: &str| {
         if path.split('?').next() != Some("/metrics") {
             return Response::json(404, "{}".into());
         }
+        refresh(&metrics);
         Response {
             status: 200,
             content_type: prometheus_client::encoding::prometheus_text::CONTENT_TYPE,

@@ -3,6 +3,7 @@
 //! health and metrics servers report on it.
 pub mod config;
 pub mod control;
+pub mod counters;
 pub mod feed;
 pub mod health;
 pub mod http;

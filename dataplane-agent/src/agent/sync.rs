@@ -19,7 +19,7 @@ use std::{
 use crate::{
     k8s::{
         model::NodeInfo,
-        store::{HealthCheck, ObjectKey, Store},
+        store::{HealthCheck, ObjectKey, Store, health_check_of},
     },
     state::{
         desired::{self, Rank, conflict_message},
@@ -100,10 +100,38 @@ pub struct SyncReport {
 #[derive(Clone, Debug, Default)]
 struct ServiceRecord {
     /// Service ids of its ports.
-    ports: Vec<u32>,
+    ports: PortIds,
     /// Parts that could not be used.
-    problems: Vec<String>,
-    no_local: usize,
+    problems: Box<[String]>,
+    no_local: u32,
+}
+
+/// Service ids of a Service's ports: one, almost always, kept without an
+/// allocation.
+#[derive(Clone, Debug, Default)]
+enum PortIds {
+    #[default]
+    None,
+    One(u32),
+    Many(Box<[u32]>),
+}
+
+impl PortIds {
+    fn push(&mut self, id: u32) {
+        *self = match std::mem::take(self) {
+            PortIds::None => PortIds::One(id),
+            PortIds::One(first) => PortIds::Many([first, id].into()),
+            PortIds::Many(ids) => PortIds::Many(ids.iter().copied().chain([id]).collect()),
+        };
+    }
+
+    fn as_slice(&self) -> &[u32] {
+        match self {
+            PortIds::None => &[],
+            PortIds::One(id) => std::slice::from_ref(id),
+            PortIds::Many(ids) => ids,
+        }
+    }
 }
 
 pub struct Syncer {
@@ -216,14 +244,17 @@ impl Syncer {
             trigger_times: changes.trigger_times,
             ..Default::default()
         };
-        let keys: BTreeSet<ObjectKey> = if kind == SyncKind::Incremental {
-            changes.services
+        // In name order (ids are handed out in it).
+        let keys: Vec<ObjectKey> = if kind == SyncKind::Incremental {
+            changes.services.into_iter().collect()
         } else {
-            store
+            let mut keys: Vec<ObjectKey> = store
                 .service_keys()
-                .chain(self.services.keys())
+                .chain(self.services.keys().filter(|k| store.service(k).is_none()))
                 .cloned()
-                .collect()
+                .collect();
+            keys.sort_unstable();
+            keys
         };
         self.node = Some(node.clone());
         if kind == SyncKind::Full {
@@ -244,7 +275,7 @@ impl Syncer {
             let live: HashSet<u32> = self
                 .services
                 .values()
-                .flat_map(|r| r.ports.iter().copied())
+                .flat_map(|r| r.ports.as_slice().iter().copied())
                 .collect();
             self.ids.retain(|id| live.contains(&id));
         }
@@ -351,50 +382,56 @@ impl Syncer {
         node: &NodeContext,
         report: &mut SyncReport,
     ) {
-        let (mut ports, skipped) = store.ports_for(key, node_info);
+        let current = store.service_for_sync(key, node_info);
+        let (svc, mut ports, skipped, age) = match current {
+            Some(s) => (Some(s.info), s.ports, s.skipped, s.age),
+            None => (None, Vec::new(), Vec::new(), (None, u64::MAX)),
+        };
         // A family the node does not serve (no node IP of it) is left out,
         // as kube-proxy runs no proxier for it.
         ports.retain(|p| node.serves(p.family));
-        let age = store.age(key);
-        let old = self.services.remove(key).unwrap_or_default();
-        let mut record = ServiceRecord {
-            problems: skipped.into_iter().map(|s| s.reason).collect(),
-            ..Default::default()
-        };
+        let old = self.services.get_mut(key).map(std::mem::take).unwrap_or_default();
+        let mut problems: Vec<String> = skipped.into_iter().map(|s| s.reason).collect();
+        let mut record = ServiceRecord::default();
         for p in &ports {
-            let name = p.name();
-            let Some(id) = self.ids.assign(&name) else {
-                record.problems.push(format!(
+            let Some((id, name)) = self.ids.assign_owned(p.name()) else {
+                problems.push(format!(
                     "port {:?}: no free service id (raise --max-services)",
                     p.port_name
                 ));
                 continue;
             };
             let c = desired::contribution(id, p, node);
-            record.no_local += desired::lacks_local_endpoints(p) as usize;
-            let name = self.ids.name(id).cloned().expect("assigned above");
+            record.no_local += desired::lacks_local_endpoints(p) as u32;
             self.table.set_port(id, Rank::new(age, name), c);
             record.ports.push(id);
         }
-        for id in old.ports.iter().filter(|id| !record.ports.contains(id)) {
+        let kept = record.ports.as_slice();
+        for id in old.ports.as_slice().iter().filter(|id| !kept.contains(id)) {
             self.table.remove_port(*id);
             if let Some(name) = self.ids.name(*id).map(|n| (**n).clone()) {
                 self.ids.release(&name);
             }
         }
+        record.problems = problems.into();
         for p in record.problems.iter().filter(|p| !old.problems.contains(p)) {
             report.problems.push(format!("{key}: {p}"));
             report.object_problems.push((key.to_string(), p.clone()));
         }
-        self.no_local = self.no_local - old.no_local + record.no_local;
+        self.no_local = self.no_local - old.no_local as usize + record.no_local as usize;
         self.problems = self.problems - old.problems.len() + record.problems.len();
-        match store.health_check(key, &ports) {
+        match svc.and_then(|s| health_check_of(s, &ports)) {
             Some(h) => self.health.insert(key.clone(), h),
             None => self.health.remove(key),
         };
-        if store.service(key).is_some() {
-            record.ports.shrink_to_fit();
-            self.services.insert(key.clone(), record);
+        match (svc, self.services.get_mut(key)) {
+            (Some(_), Some(slot)) => *slot = record,
+            (Some(_), None) => {
+                self.services.insert(key.clone(), record);
+            }
+            (None, _) => {
+                self.services.remove(key);
+            }
         }
     }
 
@@ -411,14 +448,14 @@ impl Syncer {
             if self.conflicts.get(&(*fe, *loser)) == Some(holder) {
                 continue;
             }
-            let (Some(loser_name), Some(holder_name), Some(entry)) = (
+            let (Some(loser_name), Some(holder_name), Some(kind)) = (
                 self.table.name(*loser),
                 self.table.name(*holder),
-                self.table.claim_of(*loser, fe),
+                self.table.claim_kind(*loser, fe),
             ) else {
                 continue;
             };
-            let message = conflict_message(entry.kind, fe, holder_name);
+            let message = conflict_message(kind, fe, holder_name);
             report.problems.push(format!("{loser_name}: {message}"));
             report.object_problems.push((loser_name.object(), message));
         }
@@ -894,7 +931,7 @@ mod tests {
         let mut maps = FakeMaps::default();
         let report = syncer.sync(&mut store, &node, &mut maps);
         let holder = &maps.names[&maps.frontends[&np].service_id];
-        assert_eq!(holder.name, "b", "the Service created first keeps the NodePort");
+        assert_eq!(&*holder.name, "b", "the Service created first keeps the NodePort");
         assert_eq!(report.object_problems.len(), 1, "{:?}", report.problems);
         let (object, message) = &report.object_problems[0];
         assert_eq!(object, "ns/a");
@@ -908,11 +945,11 @@ mod tests {
         store.upsert_service(services[0].clone());
         let report = syncer.sync(&mut store, &node, &mut maps);
         assert!(report.object_problems.is_empty());
-        assert_eq!(maps.names[&maps.frontends[&np].service_id].name, "b");
+        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "b");
         // b goes: a takes the NodePort over.
         store.remove_service(&ObjectKey::new("ns", "b"));
         syncer.sync(&mut store, &node, &mut maps);
-        assert_eq!(maps.names[&maps.frontends[&np].service_id].name, "a");
+        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "a");
         check(&store, &syncer, &maps, &node, "after the holder left");
     }
 
@@ -940,7 +977,7 @@ mod tests {
         store.upsert_service(services[0].clone());
         let report = syncer.sync(&mut store, &node, &mut maps);
         assert_eq!(
-            maps.names[&maps.frontends[&np].service_id].name, "b",
+            &*maps.names[&maps.frontends[&np].service_id].name, "b",
             "the holder keeps it"
         );
         let (object, message) = &report.object_problems[0];
@@ -953,7 +990,7 @@ mod tests {
             b
         });
         syncer.sync(&mut store, &node, &mut maps);
-        assert_eq!(maps.names[&maps.frontends[&np].service_id].name, "b");
+        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "b");
         check(&store, &syncer, &maps, &node, "after the conflict");
     }
 

@@ -126,7 +126,10 @@ impl LbMaps {
     pub fn flush_filter(&mut self) -> Result<usize, DatapathError> {
         self.filter
             .flush(&mut self.addr_filter, false)
-            .map_err(err(names::ADDR_FILTER))
+            .map_err(|source| DatapathError::Batch {
+                name: names::ADDR_FILTER,
+                source,
+            })
     }
 
     /// Rebuilds the filter from what the maps hold (after adopting pinned
@@ -150,7 +153,10 @@ impl LbMaps {
         hold_heads(&mut self.filter, &self.v6)?;
         self.filter
             .flush(&mut self.addr_filter, true)
-            .map_err(err(names::ADDR_FILTER))?;
+            .map_err(|source| DatapathError::Batch {
+                name: names::ADDR_FILTER,
+                source,
+            })?;
         Ok(())
     }
 

@@ -34,7 +34,7 @@ use crate::{
         diff::{MapWriter, Op},
         table::{
             Backend, BackendId, BackendSet, EmptyVerdict, Frontend, FrontendEntry, FrontendKind, MapTable,
-            ServicePortName, SlotCounts, StraySlot,
+            ServicePortName, SlotCounts, StraySlot, intern,
         },
     },
 };
@@ -150,9 +150,9 @@ fn name_from_abi(v: &Lb4ServiceName) -> ServicePortName {
     let text =
         |b: &[u8]| String::from_utf8_lossy(b.split(|c| *c == 0).next().unwrap_or_default()).into_owned();
     ServicePortName {
-        namespace: text(&v.namespace),
-        name: text(&v.name),
-        port_name: text(&v.port_name),
+        namespace: intern(&text(&v.namespace)),
+        name: text(&v.name).into(),
+        port_name: intern(&text(&v.port_name)),
         proto: Protocol::from_number(v.proto).unwrap_or(Protocol::Tcp),
         family: if v.family == NAME_FAMILY_V6 {
             IpFamily::V6
@@ -909,6 +909,15 @@ impl LbMaps {
         aya::maps::IterableMap::<u32, Lb4ServiceName>::map(&self.service_names)
             .fd()
             .as_fd()
+    }
+
+    /// The Service port a service id names in the maps.
+    pub fn service_name(&self, id: u32) -> Result<Option<ServicePortName>, DatapathError> {
+        match self.service_names.get(&id, 0) {
+            Ok(v) => Ok(Some(name_from_abi(&v))),
+            Err(MapError::KeyNotFound) => Ok(None),
+            Err(e) => Err(err(names::LB4_SERVICE_NAMES)(e)),
+        }
     }
 
     /// service id → its Service port (read in batches).

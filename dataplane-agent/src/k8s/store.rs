@@ -49,10 +49,22 @@ impl Changes {
     }
 }
 
+/// A Service as the store keeps it.
+#[derive(Clone, Debug)]
+struct Stored {
+    info: ServiceInfo,
+    /// When it was first seen (a sequence number, kept across updates): of
+    /// two Services claiming one frontend with the same creation time, or
+    /// none (manifests), the one seen first keeps it.
+    seen: u64,
+}
+
 /// Everything the agent knows about the cluster.
 #[derive(Clone, Debug, Default)]
 pub struct Store {
-    services: HashMap<ObjectKey, ServiceInfo>,
+    /// Boxed: the table stays small (most of its buckets are empty, and a
+    /// Service takes a few hundred bytes).
+    services: HashMap<ObjectKey, Box<Stored>>,
     /// EndpointSlices by the Service they feed (`kubernetes.io/service-name`;
     /// slices without it feed nothing and are not kept).
     slices: HashMap<ObjectKey, Vec<SliceInfo>>,
@@ -65,11 +77,17 @@ pub struct Store {
     services_synced: bool,
     slices_synced: bool,
     changes: Changes,
-    /// When each Service was first seen (a sequence number, kept across
-    /// updates): of two Services claiming one frontend with the same
-    /// creation time, or none (manifests), the one seen first keeps it.
-    first_seen: HashMap<ObjectKey, u64>,
+    /// The last first-seen sequence number given.
     seen: u64,
+}
+
+/// One Service as a sync needs it: see [`Store::service_for_sync`].
+pub struct ServiceForSync<'a> {
+    pub info: &'a ServiceInfo,
+    pub ports: Vec<ServicePort>,
+    pub skipped: Vec<Skipped>,
+    /// As [`Store::age`].
+    pub age: (Option<i64>, u64),
 }
 
 impl Store {
@@ -97,7 +115,7 @@ impl Store {
     }
 
     pub fn service(&self, key: &ObjectKey) -> Option<&ServiceInfo> {
-        self.services.get(key)
+        self.services.get(key).map(|s| &s.info)
     }
 
     pub fn service_keys(&self) -> impl Iterator<Item = &ObjectKey> {
@@ -108,7 +126,7 @@ impl Store {
     pub fn service_uid(&self, namespace: &str, name: &str) -> Option<String> {
         self.services
             .get(&ObjectKey::new(namespace, name))
-            .and_then(|s| s.uid.clone())
+            .and_then(|s| s.info.uid.clone())
     }
 
     /// Whether anything changed since the last checkout.
@@ -131,21 +149,25 @@ impl Store {
     /// As [`Store::upsert_service`], already parsed (sources parse on their
     /// own thread, so full objects never pile up).
     pub fn upsert_service_info(&mut self, info: ServiceInfo) {
-        if self.services.get(&info.key) == Some(&info) {
-            return;
+        match self.services.get_mut(&info.key) {
+            Some(s) if s.info == info => return,
+            Some(s) => {
+                self.changes.services.insert(info.key.clone());
+                s.info = info;
+            }
+            None => {
+                self.changes.services.insert(info.key.clone());
+                self.seen += 1;
+                let seen = self.seen;
+                self.services
+                    .insert(info.key.clone(), Box::new(Stored { info, seen }));
+            }
         }
-        self.changes.services.insert(info.key.clone());
         self.changes.service_changes += 1;
-        if !self.first_seen.contains_key(&info.key) {
-            self.seen += 1;
-            self.first_seen.insert(info.key.clone(), self.seen);
-        }
-        self.services.insert(info.key.clone(), info);
     }
 
     pub fn remove_service(&mut self, key: &ObjectKey) {
         if self.services.remove(key).is_some() {
-            self.first_seen.remove(key);
             self.changes.services.insert(key.clone());
             self.changes.service_changes += 1;
         }
@@ -155,10 +177,23 @@ impl Store {
     /// (seconds; `None` for objects without one, which count as newer than
     /// any with one), then when this agent first saw it.
     pub fn age(&self, key: &ObjectKey) -> (Option<i64>, u64) {
-        (
-            self.services.get(key).and_then(|s| s.created),
-            self.first_seen.get(key).copied().unwrap_or(u64::MAX),
-        )
+        self.services
+            .get(key)
+            .map_or((None, u64::MAX), |s| (s.info.created, s.seen))
+    }
+
+    /// What a sync needs of one Service (one lookup): its ports for this
+    /// node and what had to be skipped (as [`Store::ports_for`]), and its age
+    /// (as [`Store::age`]). `None` when it is gone.
+    pub fn service_for_sync(&self, key: &ObjectKey, node: &NodeInfo) -> Option<ServiceForSync<'_>> {
+        let s = self.services.get(key)?;
+        let (ports, skipped) = self.ports_of_info(&s.info, node);
+        Some(ServiceForSync {
+            info: &s.info,
+            ports,
+            skipped,
+            age: (s.info.created, s.seen),
+        })
     }
 
     pub fn upsert_slice(&mut self, slice: EndpointSlice) {
@@ -169,7 +204,16 @@ impl Store {
     }
 
     /// As [`Store::upsert_slice`], already parsed.
-    pub fn upsert_slice_info(&mut self, info: SliceInfo) {
+    pub fn upsert_slice_info(&mut self, mut info: SliceInfo) {
+        // The Service's name is its key's (one copy for both).
+        if let Some(name) = &info.service
+            && let Some((key, _)) = self.services.get_key_value(&ObjectKey {
+                namespace: info.key.namespace.clone(),
+                name: name.clone(),
+            })
+        {
+            info.service = Some(key.name.clone());
+        }
         let Some(service) = info.service_key() else {
             // Feeds no Service (any more).
             return self.remove_slice(&info.key);
@@ -315,15 +359,22 @@ impl Store {
     /// As [`Store::ports_of`], with the node's info at hand (one lookup per
     /// sync, not per Service).
     pub fn ports_for(&self, key: &ObjectKey, node: &NodeInfo) -> (Vec<ServicePort>, Vec<Skipped>) {
-        let Some(svc) = self.services.get(key) else {
-            return (Vec::new(), Vec::new());
-        };
+        match self.services.get(key) {
+            Some(s) => self.ports_of_info(&s.info, node),
+            None => (Vec::new(), Vec::new()),
+        }
+    }
+
+    fn ports_of_info(&self, svc: &ServiceInfo, node: &NodeInfo) -> (Vec<ServicePort>, Vec<Skipped>) {
+        let group = self.slices.get(&svc.key).map(Vec::as_slice).unwrap_or_default();
+        if let [one] = group {
+            // The usual case: one slice, nothing to order.
+            return (ports_of(svc, &[one], node), skipped_of(svc, &[one]));
+        }
         // Slices in name order: which copy of a duplicate endpoint is kept
         // must not depend on arrival order.
-        let mut slices: Vec<&SliceInfo> = self.slices.get(key).into_iter().flatten().collect();
-        if slices.len() > 1 {
-            slices.sort_by(|a, b| a.key.name.cmp(&b.key.name));
-        }
+        let mut slices: Vec<&SliceInfo> = group.iter().collect();
+        slices.sort_by(|a, b| a.key.name.cmp(&b.key.name));
         (ports_of(svc, &slices, node), skipped_of(svc, &slices))
     }
 
@@ -343,30 +394,7 @@ impl Store {
     /// The health check a Service needs on this node, if any, computed from
     /// its ports (as [`Store::ports_of`] gives them).
     pub fn health_check(&self, key: &ObjectKey, ports: &[ServicePort]) -> Option<HealthCheck> {
-        let port = self.services.get(key)?.spec.as_ref()?.health_check_node_port?;
-        // Distinct local ready endpoint IPs, per family as each of
-        // kube-proxy's per-family proxiers counts them; a dual-stack pod is
-        // one endpoint of each family, so the larger count is the pods'.
-        let local_endpoints = crate::net::IpFamily::BOTH
-            .into_iter()
-            .map(|family| {
-                ports
-                    .iter()
-                    .filter(|p| p.family == family)
-                    .flat_map(|p| &p.endpoints)
-                    .filter(|e| e.local && e.ready)
-                    .map(|e| e.addr)
-                    .collect::<BTreeSet<_>>()
-                    .len()
-            })
-            .max()
-            .unwrap_or(0);
-        Some(HealthCheck {
-            namespace: key.namespace.to_string(),
-            name: key.name.to_string(),
-            port,
-            local_endpoints,
-        })
+        health_check_of(self.service(key)?, ports)
     }
 
     /// The health checks of every Service (pass the result of
@@ -387,6 +415,36 @@ impl Store {
             })
             .collect()
     }
+}
+
+/// The health check a Service needs on this node, if any, computed from
+/// its ports (as [`Store::ports_of`] gives them).
+pub fn health_check_of(svc: &ServiceInfo, ports: &[ServicePort]) -> Option<HealthCheck> {
+    let key = &svc.key;
+    let port = svc.spec.as_ref()?.health_check_node_port?;
+    // Distinct local ready endpoint IPs, per family as each of
+    // kube-proxy's per-family proxiers counts them; a dual-stack pod is
+    // one endpoint of each family, so the larger count is the pods'.
+    let local_endpoints = crate::net::IpFamily::BOTH
+        .into_iter()
+        .map(|family| {
+            ports
+                .iter()
+                .filter(|p| p.family == family)
+                .flat_map(|p| &p.endpoints)
+                .filter(|e| e.local && e.ready)
+                .map(|e| e.addr)
+                .collect::<BTreeSet<_>>()
+                .len()
+        })
+        .max()
+        .unwrap_or(0);
+    Some(HealthCheck {
+        namespace: key.namespace.to_string(),
+        name: key.name.to_string(),
+        port,
+        local_endpoints,
+    })
 }
 
 /// One healthCheckNodePort server to run (eTP=Local LoadBalancer Services).

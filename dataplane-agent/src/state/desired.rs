@@ -272,17 +272,29 @@ pub fn contribution(id: u32, sp: &ServicePort, node: &NodeContext) -> Contributi
     };
     c.frontends.reserve_exact(sp.cluster_ips.len() + external);
     c.service_addresses.reserve_exact(sp.cluster_ips.len());
-    for &ip in &sp.cluster_ips {
-        let fe = Frontend {
+    let cluster_ips = sp.cluster_ips.iter().map(|&ip| {
+        c.service_addresses.push(ip);
+        Frontend {
             addr: ip,
             port: sp.port,
             proto: sp.proto,
-        };
-        c.frontends.push((fe, base.clone()));
-        c.service_addresses.push(ip);
-    }
+        }
+    });
     if !sp.externally_accessible() {
+        // The last ClusterIP takes `base` itself (no copy of its sets).
+        let mut cluster_ips = cluster_ips.peekable();
+        while let Some(fe) = cluster_ips.next() {
+            if cluster_ips.peek().is_some() {
+                c.frontends.push((fe, base.clone()));
+            } else {
+                c.frontends.push((fe, base));
+                break;
+            }
+        }
         return c;
+    }
+    for fe in cluster_ips {
+        c.frontends.push((fe, base.clone()));
     }
     // External destinations: eTP=Cluster uses the cluster set and
     // masquerades; eTP=Local keeps the client address and uses the local set

@@ -21,12 +21,13 @@ use foldhash::{HashMap, HashMapExt as _, HashSet, HashSetExt as _};
 use std::{collections::BTreeSet, net::IpAddr, sync::Arc};
 
 use super::{
+    backend_map::{AddrMap, BackendMap, BackendSlots},
     desired::DesiredTable,
-    ids::IdAllocator,
+    ids::{DenseMap, IdAllocator},
     incremental::{Dirty, ServiceTable},
     table::{
-        Backend, BackendId, BackendKey, Frontend, FrontendEntry, MapTable, ServicePortName, SlotCounts,
-        StraySlot,
+        Backend, BackendId, BackendKey, BackendSet, EmptyVerdict, Frontend, FrontendEntry, FrontendKind,
+        MapTable, ServicePortName, SlotCounts, StraySlot,
     },
 };
 use crate::net::{IpCidr, IpFamily, Protocol};
@@ -108,23 +109,34 @@ pub trait MapWriter {
 /// The desired state as the diff reads it: the whole table
 /// ([`DesiredTable`]) or the incremental one ([`ServiceTable`]).
 pub trait Desired {
-    fn frontend(&self, fe: &Frontend) -> Option<&FrontendEntry<BackendKey>>;
+    fn has_frontend(&self, fe: &Frontend) -> bool;
+    /// The desired entry of `fe`, its backends named by `name` (those it
+    /// cannot name are left out).
+    fn frontend<C>(
+        &self,
+        fe: &Frontend,
+        name: &mut dyn FnMut(&BackendKey) -> Option<C>,
+    ) -> Option<FrontendEntry<C>>;
     fn backend(&self, key: &BackendKey) -> Option<Backend>;
     fn has_service_address(&self, addr: IpAddr) -> bool;
     fn has_source_range(&self, id: u32, range: IpCidr) -> bool;
     fn service_name(&self, id: u32) -> Option<&Arc<ServicePortName>>;
-    /// Every desired key (for a full plan).
+    /// Every desired key but the backends (for a full plan).
     fn keys(&self) -> KeyLists;
+    /// How many backends are desired.
+    fn backend_count(&self) -> usize;
+    /// Calls `f` with every desired backend (a full plan walks a million of
+    /// them: no list is made).
+    fn for_each_backend(&self, f: &mut dyn FnMut(&BackendKey, Backend));
 }
 
-/// Keys a plan looks at, listed (a full plan lists a million of them:
-/// vectors, no hashing).
+/// Keys a plan looks at, listed (a full plan lists a hundred thousand
+/// frontends: vectors, no hashing).
 #[derive(Clone, Debug, Default)]
 pub struct KeyLists {
     pub frontends: Vec<Frontend>,
-    /// With the desired backend when the lister knows it (`None`: look it
-    /// up).
-    pub backends: Vec<(BackendKey, Option<Backend>)>,
+    /// Only for an incremental plan (a full one walks the desired backends).
+    pub backends: Vec<BackendKey>,
     pub service_addresses: Vec<IpAddr>,
     pub source_ranges: Vec<(u32, IpCidr)>,
     pub names: Vec<u32>,
@@ -134,7 +146,7 @@ impl KeyLists {
     fn of(dirty: &Dirty) -> Self {
         Self {
             frontends: dirty.frontends.iter().copied().collect(),
-            backends: dirty.backends.iter().map(|k| (*k, None)).collect(),
+            backends: dirty.backends.iter().copied().collect(),
             service_addresses: dirty.service_addresses.iter().copied().collect(),
             source_ranges: dirty.source_ranges.iter().copied().collect(),
             names: dirty.names.iter().copied().collect(),
@@ -143,8 +155,15 @@ impl KeyLists {
 }
 
 impl Desired for DesiredTable {
-    fn frontend(&self, fe: &Frontend) -> Option<&FrontendEntry<BackendKey>> {
-        self.frontends.get(fe)
+    fn has_frontend(&self, fe: &Frontend) -> bool {
+        self.frontends.contains_key(fe)
+    }
+    fn frontend<C>(
+        &self,
+        fe: &Frontend,
+        name: &mut dyn FnMut(&BackendKey) -> Option<C>,
+    ) -> Option<FrontendEntry<C>> {
+        self.frontends.get(fe).map(|e| e.filter_map_backends(|k| name(k)))
     }
     fn backend(&self, key: &BackendKey) -> Option<Backend> {
         self.backends.get(key).copied()
@@ -161,17 +180,32 @@ impl Desired for DesiredTable {
     fn keys(&self) -> KeyLists {
         KeyLists {
             frontends: self.frontends.keys().copied().collect(),
-            backends: self.backends.iter().map(|(k, b)| (*k, Some(*b))).collect(),
+            backends: Vec::new(),
             service_addresses: self.service_addresses.iter().copied().collect(),
             source_ranges: self.source_ranges.iter().copied().collect(),
             names: self.service_names.keys().copied().collect(),
         }
     }
+    fn backend_count(&self) -> usize {
+        self.backends.len()
+    }
+    fn for_each_backend(&self, f: &mut dyn FnMut(&BackendKey, Backend)) {
+        for (k, b) in &self.backends {
+            f(k, *b);
+        }
+    }
 }
 
 impl Desired for ServiceTable {
-    fn frontend(&self, fe: &Frontend) -> Option<&FrontendEntry<BackendKey>> {
-        ServiceTable::frontend(self, fe)
+    fn has_frontend(&self, fe: &Frontend) -> bool {
+        ServiceTable::has_frontend(self, fe)
+    }
+    fn frontend<C>(
+        &self,
+        fe: &Frontend,
+        name: &mut dyn FnMut(&BackendKey) -> Option<C>,
+    ) -> Option<FrontendEntry<C>> {
+        ServiceTable::frontend(self, fe, name)
     }
     fn backend(&self, key: &BackendKey) -> Option<Backend> {
         ServiceTable::backend(self, key)
@@ -188,10 +222,18 @@ impl Desired for ServiceTable {
     fn keys(&self) -> KeyLists {
         KeyLists {
             frontends: self.frontend_keys().copied().collect(),
-            backends: self.backends().map(|(k, b)| (*k, Some(b))).collect(),
-            service_addresses: self.service_address_keys().copied().collect(),
+            backends: Vec::new(),
+            service_addresses: self.service_address_keys().collect(),
             source_ranges: self.source_range_keys().copied().collect(),
             names: self.port_ids().collect(),
+        }
+    }
+    fn backend_count(&self) -> usize {
+        ServiceTable::backend_count(self)
+    }
+    fn for_each_backend(&self, f: &mut dyn FnMut(&BackendKey, Backend)) {
+        for (k, b) in self.backends() {
+            f(&k, b);
         }
     }
 }
@@ -228,7 +270,9 @@ impl Plan {
             // Each family's maps are written in runs of their own: within a
             // phase (whose operations do not depend on each other), IPv4
             // first, then IPv6 (a stable sort keeps each family's order).
-            phase.sort_by_key(Op::family);
+            if !phase.is_sorted_by_key(Op::family) {
+                phase.sort_by_key(Op::family);
+            }
             ops.extend(phase);
         }
         if !self.purged.is_empty() {
@@ -277,19 +321,19 @@ pub struct Unprogrammable {
 pub struct Programmer {
     ids: IdAllocator,
     /// The id of each backend key (programmed, or allocated by a plan).
-    backend_ids: HashMap<BackendKey, BackendId>,
+    backend_ids: BackendMap<BackendId>,
     /// Programmed backends, by id.
-    backends: Vec<Option<Backend>>,
+    backends: BackendSlots,
     /// How many programmed frontend slots name each id.
     refs: Vec<u32>,
     /// Ids allocated by a plan whose backend is not written yet (by id).
     pending: Vec<bool>,
     /// Programmed backends to remove once no frontend names them.
     deferred: BTreeSet<BackendId>,
-    frontends: HashMap<Frontend, FrontendEntry>,
-    service_addresses: HashSet<IpAddr>,
+    frontends: HashMap<Frontend, Mirrored>,
+    service_addresses: AddrMap<()>,
     source_ranges: HashSet<(u32, IpCidr)>,
-    names: HashMap<u32, Arc<ServicePortName>>,
+    names: DenseMap<Arc<ServicePortName>>,
     strays: BTreeSet<StraySlot>,
     /// Frontends the maps hold incompletely, with the slot counts their
     /// slot 0 claims: rewritten (or removed) by the next plan.
@@ -308,15 +352,15 @@ impl Programmer {
     pub fn new(backend_capacity: u32) -> Self {
         Self {
             ids: IdAllocator::new(1, backend_capacity),
-            backend_ids: HashMap::new(),
-            backends: Vec::new(),
+            backend_ids: BackendMap::default(),
+            backends: BackendSlots::default(),
             refs: Vec::new(),
             pending: Vec::new(),
             deferred: BTreeSet::new(),
             frontends: HashMap::new(),
-            service_addresses: HashSet::new(),
+            service_addresses: AddrMap::default(),
             source_ranges: HashSet::new(),
-            names: HashMap::new(),
+            names: DenseMap::default(),
             strays: BTreeSet::new(),
             damaged: HashMap::new(),
             frontend_entries: 0,
@@ -347,19 +391,21 @@ impl Programmer {
     /// As [`Programmer::reset`], without counting.
     fn reset_to(&mut self, table: &MapTable) {
         let capacity = self.ids.capacity();
-        let mut backends: Vec<Option<Backend>> = Vec::new();
-        let mut backend_ids = HashMap::new();
+        let mut backends = BackendSlots::default();
+        let mut backend_ids = BackendMap::default();
         for (id, b) in &table.backends {
             if id.get() >= capacity {
                 continue;
             }
-            slot(&mut backends, *id).replace(*b);
+            backends.set(*id, Some(*b));
             // The lowest id is a key's own; others are duplicates to remove.
-            backend_ids.entry(b.key()).or_insert(*id);
+            backend_ids.entry(b.key()).or_insert_with(|| *id);
         }
         let mut refs: Vec<u32> = Vec::new();
         for (_, e) in &table.frontends {
-            for id in e.all_backends() {
+            // An id beyond the map (a slot someone else wrote) was never
+            // handed out: nothing to count (and no vector that long).
+            for id in e.all_backends().filter(|id| id.get() < capacity) {
                 *slot(&mut refs, *id) += 1;
             }
         }
@@ -375,8 +421,12 @@ impl Programmer {
         self.refs = refs;
         self.pending.clear();
         self.deferred.clear();
-        self.frontends = table.frontends.iter().cloned().collect();
-        self.frontend_entries = self.frontends.values().map(entries_of).sum();
+        self.frontends = table
+            .frontends
+            .iter()
+            .map(|(f, e)| (*f, Mirrored::of(e)))
+            .collect();
+        self.frontend_entries = self.frontends.values().map(Mirrored::entries).sum();
         self.service_addresses = table.service_addresses.iter().copied().collect();
         self.source_ranges = table.source_ranges.iter().copied().collect();
         self.names = table
@@ -396,7 +446,7 @@ impl Programmer {
         let same = table
             .frontends
             .iter()
-            .filter(|(f, e)| self.frontends.get(f) == Some(e))
+            .filter(|(f, e)| self.frontends.get(f).is_some_and(|m| m.matches(e)))
             .count();
         n += (table.frontends.len() - same) + (self.frontends.len() - same);
         let same = table
@@ -420,7 +470,7 @@ impl Programmer {
         let same = table
             .service_names
             .iter()
-            .filter(|(id, nm)| self.names.get(id).is_some_and(|n| **n == *nm))
+            .filter(|(id, nm)| self.names.get(*id).is_some_and(|n| **n == *nm))
             .count();
         n += (table.service_names.len() - same) + (self.names.len() - same);
         n
@@ -428,7 +478,7 @@ impl Programmer {
 
     /// The name the mirror holds for a service id.
     pub fn service_name(&self, id: u32) -> Option<&ServicePortName> {
-        self.names.get(&id).map(|n| &**n)
+        self.names.get(id).map(|n| &**n)
     }
 
     /// The id a backend has in the maps (or was given by the last plan).
@@ -437,7 +487,7 @@ impl Programmer {
     }
 
     fn backend(&self, id: BackendId) -> Option<Backend> {
-        self.backends.get(id.get() as usize).copied().flatten()
+        self.backends.get(id)
     }
 
     fn refs(&self, id: BackendId) -> u32 {
@@ -445,11 +495,7 @@ impl Programmer {
     }
 
     fn programmed_ids(&self) -> impl Iterator<Item = BackendId> + '_ {
-        self.backends
-            .iter()
-            .enumerate()
-            .filter(|(_, b)| b.is_some())
-            .filter_map(|(i, _)| BackendId::new(i as u32))
+        self.backends.ids()
     }
 
     /// How many frontends the mirror holds.
@@ -471,7 +517,7 @@ impl Programmer {
 
     /// The service ids the mirror names.
     pub fn service_names(&self) -> impl Iterator<Item = (u32, &ServicePortName)> {
-        self.names.iter().map(|(id, n)| (*id, &**n))
+        self.names.iter().map(|(id, n)| (id, &**n))
     }
 
     /// Frontends the last plan wrote without some of their backends (no
@@ -493,22 +539,19 @@ impl Programmer {
             // What is desired, and what is programmed but not desired.
             let mut k = desired.keys();
             k.frontends
-                .extend(self.frontends.keys().filter(|f| desired.frontend(f).is_none()));
+                .extend(self.frontends.keys().filter(|f| !desired.has_frontend(f)));
             k.service_addresses.extend(
                 self.service_addresses
-                    .iter()
-                    .filter(|a| !desired.has_service_address(**a)),
+                    .keys()
+                    .filter(|a| !desired.has_service_address(*a)),
             );
             k.source_ranges.extend(
                 self.source_ranges
                     .iter()
                     .filter(|(id, r)| !desired.has_source_range(*id, *r)),
             );
-            k.names.extend(
-                self.names
-                    .keys()
-                    .filter(|id| desired.service_name(**id).is_none()),
-            );
+            k.names
+                .extend(self.names.keys().filter(|id| desired.service_name(*id).is_none()));
             // Programmed backends that are not desired: the scan of
             // programmed ids below.
             k
@@ -524,7 +567,7 @@ impl Programmer {
         let mut plan = Plan::default();
 
         for id in &keys.names {
-            match (desired.service_name(*id), self.names.get(id)) {
+            match (desired.service_name(*id), self.names.get(*id)) {
                 (Some(want), have) if have != Some(want) => {
                     plan.names.push(Op::SetServiceName(*id, want.clone()))
                 }
@@ -535,13 +578,16 @@ impl Programmer {
         // Backends: new ones get ids; changed ones (e.g. now terminating)
         // are rewritten in place.
         if dirty.all {
-            self.backend_ids
-                .reserve(keys.backends.len().saturating_sub(self.backend_ids.len()));
-        }
-        plan.set_backends.reserve(keys.backends.len());
-        for (key, known) in &keys.backends {
-            if let Some(want) = known.or_else(|| desired.backend(key)) {
-                self.plan_backend(key, want, &mut plan, &mut summary);
+            let n = desired.backend_count();
+            self.backend_ids.reserve(n.saturating_sub(self.backend_ids.len()));
+            plan.set_backends.reserve(n);
+            desired.for_each_backend(&mut |key, want| self.plan_backend(key, want, &mut plan, &mut summary));
+        } else {
+            plan.set_backends.reserve(keys.backends.len());
+            for key in &keys.backends {
+                if let Some(want) = desired.backend(key) {
+                    self.plan_backend(key, want, &mut plan, &mut summary);
+                }
             }
         }
         for r in &keys.source_ranges {
@@ -559,7 +605,7 @@ impl Programmer {
         // frontend slot names them after this plan's frontend writes.
         let mut candidates: BTreeSet<BackendId> = std::mem::take(&mut self.deferred);
         if !dirty.all {
-            for (key, _) in &keys.backends {
+            for key in &keys.backends {
                 if desired.backend(key).is_none()
                     && let Some(id) = self.backend_ids.get(key)
                 {
@@ -576,31 +622,31 @@ impl Programmer {
         }
         // Frontends, created, changed or removed.
         let mut refs_delta: HashMap<BackendId, i64> = HashMap::new();
-        let mut count_refs = |entry: &FrontendEntry, by: i64| {
+        let mut count_refs = |ids: &mut dyn Iterator<Item = &BackendId>, by: i64| {
             if !candidates.is_empty() {
-                for id in entry.all_backends().filter(|id| candidates.contains(id)) {
+                for id in ids.filter(|id| candidates.contains(id)) {
                     *refs_delta.entry(*id).or_default() += by;
                 }
             }
         };
         plan.set_frontends.reserve(keys.frontends.len());
         for fe in &keys.frontends {
-            let want = desired.frontend(fe).map(|entry| {
-                let mut unresolved = false;
-                // What has no id is left out (the rest is served) and
-                // retried by the next plan: the ids of backends this plan
-                // removes are free then.
-                let entry = entry.filter_map_backends(|k| {
-                    let id = self.backend_ids.get(k).copied().or_else(|| {
-                        // A backend no dirty key named (its id could not be
-                        // allocated before): try now.
-                        let want = desired.backend(k)?;
-                        self.plan_backend(k, want, &mut plan, &mut summary);
-                        self.backend_ids.get(k).copied()
-                    });
-                    unresolved |= id.is_none();
-                    id
+            let mut unresolved = false;
+            // What has no id is left out (the rest is served) and retried
+            // by the next plan: the ids of backends this plan removes are
+            // free then.
+            let want = desired.frontend(fe, &mut |k| {
+                let id = self.backend_ids.get(k).copied().or_else(|| {
+                    // A backend no dirty key named (its id could not be
+                    // allocated before): try now.
+                    let want = desired.backend(k)?;
+                    self.plan_backend(k, want, &mut plan, &mut summary);
+                    self.backend_ids.get(k).copied()
                 });
+                unresolved |= id.is_none();
+                id
+            });
+            let want = want.inspect(|entry| {
                 if unresolved {
                     self.unprogrammable.push(Unprogrammable {
                         frontend: *fe,
@@ -609,19 +655,18 @@ impl Programmer {
                     self.retry.insert(*fe);
                     summary.skipped += 1;
                 }
-                entry
             });
             let have = self.frontends.get(fe);
             // A damaged frontend is rewritten whatever it looks like, and
             // its stale slots are those its slot 0 claims.
             let damaged = self.damaged.get(fe).copied();
-            let previous = damaged.or(have.map(SlotCounts::of));
+            let previous = damaged.or(have.map(Mirrored::slot_counts));
             match (want, have) {
-                (Some(want), have) if have != Some(&want) || damaged.is_some() => {
+                (Some(want), have) if !have.is_some_and(|h| h.matches(&want)) || damaged.is_some() => {
                     if let Some(h) = have {
-                        count_refs(h, -1);
+                        count_refs(&mut h.all_backends(), -1);
                     }
-                    count_refs(&want, 1);
+                    count_refs(&mut want.all_backends(), 1);
                     plan.set_frontends.push(Op::SetFrontend {
                         frontend: *fe,
                         previous,
@@ -630,10 +675,10 @@ impl Programmer {
                     summary.frontends_set += 1;
                 }
                 (None, Some(h)) => {
-                    count_refs(h, -1);
+                    count_refs(&mut h.all_backends(), -1);
                     plan.removals.push(Op::RemoveFrontend {
                         frontend: *fe,
-                        previous: previous.unwrap_or(SlotCounts::of(h)),
+                        previous: previous.unwrap_or(h.slot_counts()),
                     });
                     summary.frontends_removed += 1;
                 }
@@ -680,9 +725,10 @@ impl Programmer {
     /// Gives `key` an id if it has none and plans its write if the maps do
     /// not hold it as `want`.
     fn plan_backend(&mut self, key: &BackendKey, want: Backend, plan: &mut Plan, summary: &mut PlanSummary) {
-        let id = match self.backend_ids.entry(*key) {
-            std::collections::hash_map::Entry::Occupied(e) => *e.get(),
-            std::collections::hash_map::Entry::Vacant(e) => {
+        let entry = self.backend_ids.entry(*key);
+        let id = match entry.get() {
+            Some(id) => *id,
+            None => {
                 if plan.no_ids_left {
                     return;
                 }
@@ -690,7 +736,7 @@ impl Programmer {
                     plan.no_ids_left = true;
                     return;
                 };
-                e.insert(id);
+                entry.or_insert_with(|| id);
                 *slot(&mut self.pending, id) = true;
                 id
             }
@@ -722,14 +768,14 @@ impl Programmer {
                 self.names.insert(*id, name.clone());
             }
             Op::SetBackend(id, b) => {
-                slot(&mut self.backends, *id).replace(*b);
+                self.backends.set(*id, Some(*b));
                 *slot(&mut self.pending, *id) = false;
             }
             Op::AddSourceRange(id, r) => {
                 self.source_ranges.insert((*id, *r));
             }
             Op::SetServiceAddress(a) => {
-                self.service_addresses.insert(*a);
+                self.service_addresses.insert(*a, ());
             }
             Op::SetFrontend { frontend, entry, .. } => {
                 self.damaged.remove(frontend);
@@ -737,15 +783,15 @@ impl Programmer {
                     *slot(&mut self.refs, *id) += 1;
                 }
                 self.frontend_entries += entries_of(entry);
-                if let Some(old) = self.frontends.insert(*frontend, (**entry).clone()) {
-                    self.frontend_entries -= entries_of(&old);
+                if let Some(old) = self.frontends.insert(*frontend, Mirrored::of(entry)) {
+                    self.frontend_entries -= old.entries();
                     self.unref(&old);
                 }
             }
             Op::RemoveFrontend { frontend, .. } => {
                 self.damaged.remove(frontend);
                 if let Some(old) = self.frontends.remove(frontend) {
-                    self.frontend_entries -= entries_of(&old);
+                    self.frontend_entries -= old.entries();
                     self.unref(&old);
                 }
             }
@@ -759,7 +805,7 @@ impl Programmer {
                 self.strays.remove(s);
             }
             Op::RemoveBackend(id, _) => {
-                if let Some(b) = slot(&mut self.backends, *id).take()
+                if let Some(b) = self.backends.set(*id, None)
                     && self.backend_ids.get(&b.key()) == Some(id)
                 {
                     self.backend_ids.remove(&b.key());
@@ -770,7 +816,7 @@ impl Programmer {
                 }
             }
             Op::RemoveServiceName(id) => {
-                self.names.remove(id);
+                self.names.remove(*id);
             }
             Op::PurgeUdpFlows(_) => {}
         }
@@ -779,8 +825,9 @@ impl Programmer {
     /// Drops the slot references of a replaced or removed entry; an id that
     /// nothing owns any more (it was only referenced) goes back to the free
     /// list.
-    fn unref(&mut self, old: &FrontendEntry) {
-        for id in old.all_backends() {
+    fn unref(&mut self, old: &Mirrored) {
+        let capacity = self.ids.capacity();
+        for id in old.all_backends().filter(|id| id.get() < capacity) {
             let r = slot(&mut self.refs, *id);
             *r = r.saturating_sub(1);
             if *r == 0
@@ -822,6 +869,101 @@ impl Programmer {
         self.execute(writer, &ops).map_err(|(_, e)| e)?;
         writer.flush()?;
         Ok(summary)
+    }
+}
+
+/// A frontend entry as the mirror keeps it (a hundred thousand are): the
+/// ids of both sets in one slice, the flags in a word; 48 bytes and one
+/// allocation instead of 96 and one or two.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Mirrored {
+    service_id: u32,
+    /// How many of `ids` are the external set's (the in-cluster set's
+    /// follow).
+    split: u32,
+    flags: u16,
+    affinity_timeout: Option<std::time::Duration>,
+    ids: Box<[BackendId]>,
+}
+
+// The low two bits: the kind.
+const M_MASQUERADE: u16 = 1 << 2;
+const M_SOURCE_RANGES: u16 = 1 << 3;
+const M_EXTERNAL_LOCAL: u16 = 1 << 4;
+const M_INTERNAL_LOCAL: u16 = 1 << 5;
+const M_TWO_SETS: u16 = 1 << 6;
+const M_REJECT: u16 = 1 << 7;
+const M_INTERNAL_REJECT: u16 = 1 << 8;
+
+fn kind_bits(kind: FrontendKind) -> u16 {
+    match kind {
+        FrontendKind::ClusterIp => 0,
+        FrontendKind::NodePort => 1,
+        FrontendKind::ExternalIp => 2,
+        FrontendKind::LoadBalancer => 3,
+    }
+}
+
+fn reject(set: &BackendSet) -> bool {
+    set.when_empty == EmptyVerdict::Reject
+}
+
+impl Mirrored {
+    fn flags_of(e: &FrontendEntry) -> u16 {
+        let mut flags = kind_bits(e.kind);
+        for (on, flag) in [
+            (e.masquerade, M_MASQUERADE),
+            (e.source_ranges, M_SOURCE_RANGES),
+            (e.external_local, M_EXTERNAL_LOCAL),
+            (e.internal_local, M_INTERNAL_LOCAL),
+            (e.internal_backends.is_some(), M_TWO_SETS),
+            (reject(&e.backends), M_REJECT),
+            (
+                e.internal_backends.as_ref().is_some_and(reject),
+                M_INTERNAL_REJECT,
+            ),
+        ] {
+            if on {
+                flags |= flag;
+            }
+        }
+        flags
+    }
+
+    fn of(e: &FrontendEntry) -> Self {
+        Self {
+            service_id: e.service_id,
+            split: e.backends.backends.len() as u32,
+            flags: Self::flags_of(e),
+            affinity_timeout: e.affinity_timeout,
+            ids: e.all_backends().copied().collect(),
+        }
+    }
+
+    /// Whether it is `e`.
+    fn matches(&self, e: &FrontendEntry) -> bool {
+        self.service_id == e.service_id
+            && self.flags == Self::flags_of(e)
+            && self.affinity_timeout == e.affinity_timeout
+            && self.split as usize == e.backends.backends.len()
+            && self.ids.iter().eq(e.all_backends())
+    }
+
+    /// Every backend it names (both sets).
+    fn all_backends(&self) -> impl Iterator<Item = &BackendId> {
+        self.ids.iter()
+    }
+
+    fn slot_counts(&self) -> SlotCounts {
+        SlotCounts {
+            external: self.split as u16,
+            internal: (self.flags & M_TWO_SETS != 0).then_some((self.ids.len() - self.split as usize) as u16),
+        }
+    }
+
+    /// Services-map entries: slot 0 and the slots of each set.
+    fn entries(&self) -> usize {
+        1 + self.ids.len() + (self.flags & M_TWO_SETS != 0) as usize
     }
 }
 

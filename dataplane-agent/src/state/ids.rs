@@ -91,13 +91,102 @@ impl IdAllocator {
     }
 }
 
+/// A map by dense id (service ids): a vector, no hashing. Ids from
+/// [`DENSE_IDS`] on (only ever read from maps someone else wrote) go to a
+/// hash map instead, so that no id can make the vector huge.
+#[derive(Clone, Debug)]
+pub struct DenseMap<V> {
+    slots: Vec<Option<V>>,
+    sparse: HashMap<u32, V>,
+    len: usize,
+}
+
+/// Ids below this are kept in the vector (8 MB of `Option<Arc<_>>` at
+/// most).
+pub const DENSE_IDS: u32 = 1 << 20;
+
+impl<V> Default for DenseMap<V> {
+    fn default() -> Self {
+        Self {
+            slots: Vec::new(),
+            sparse: HashMap::new(),
+            len: 0,
+        }
+    }
+}
+
+impl<V> DenseMap<V> {
+    pub fn get(&self, id: u32) -> Option<&V> {
+        if id >= DENSE_IDS {
+            return self.sparse.get(&id);
+        }
+        self.slots.get(id as usize).and_then(Option::as_ref)
+    }
+
+    pub fn insert(&mut self, id: u32, v: V) -> Option<V> {
+        let old = if id >= DENSE_IDS {
+            self.sparse.insert(id, v)
+        } else {
+            let i = id as usize;
+            if self.slots.len() <= i {
+                self.slots.resize_with(i + 1, || None);
+            }
+            self.slots[i].replace(v)
+        };
+        self.len += old.is_none() as usize;
+        old
+    }
+
+    pub fn remove(&mut self, id: u32) -> Option<V> {
+        let old = if id >= DENSE_IDS {
+            self.sparse.remove(&id)
+        } else {
+            self.slots.get_mut(id as usize).and_then(Option::take)
+        };
+        self.len -= old.is_some() as usize;
+        old
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Dense ids in order, then the others.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &V)> {
+        let dense = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(id, v)| Some((id as u32, v.as_ref()?)));
+        dense.chain(self.sparse.iter().map(|(id, v)| (*id, v)))
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = u32> + '_ {
+        self.iter().map(|(id, _)| id)
+    }
+}
+
+impl<V> FromIterator<(u32, V)> for DenseMap<V> {
+    fn from_iter<I: IntoIterator<Item = (u32, V)>>(iter: I) -> Self {
+        let mut m = Self::default();
+        for (id, v) in iter {
+            m.insert(id, v);
+        }
+        m
+    }
+}
+
 /// Service ids by Service port: stable while the port exists, released
 /// when it goes (and reused after).
 #[derive(Clone, Debug)]
 pub struct ServiceIds {
     alloc: IdAllocator,
     ids: HashMap<Arc<ServicePortName>, u32>,
-    names: HashMap<u32, Arc<ServicePortName>>,
+    names: DenseMap<Arc<ServicePortName>>,
 }
 
 impl ServiceIds {
@@ -106,7 +195,7 @@ impl ServiceIds {
         Self {
             alloc: IdAllocator::new(0, capacity),
             ids: HashMap::new(),
-            names: HashMap::new(),
+            names: DenseMap::default(),
         }
     }
 
@@ -127,7 +216,7 @@ impl ServiceIds {
     }
 
     pub fn name(&self, id: u32) -> Option<&Arc<ServicePortName>> {
-        self.names.get(&id)
+        self.names.get(id)
     }
 
     /// The port's id, allocated if it has none; `None` when every id is
@@ -136,16 +225,25 @@ impl ServiceIds {
         if let Some(id) = self.ids.get(name) {
             return Some(*id);
         }
+        self.assign_owned(name.clone()).map(|(id, _)| id)
+    }
+
+    /// As [`ServiceIds::assign`], with the shared name (one lookup, no copy
+    /// of the name).
+    pub fn assign_owned(&mut self, name: ServicePortName) -> Option<(u32, Arc<ServicePortName>)> {
+        if let Some((name, id)) = self.ids.get_key_value(&name) {
+            return Some((*id, name.clone()));
+        }
         let id = self.alloc.allocate()?;
-        let name = Arc::new(name.clone());
+        let name = Arc::new(name);
         self.ids.insert(name.clone(), id);
-        self.names.insert(id, name);
-        Some(id)
+        self.names.insert(id, name.clone());
+        Some((id, name))
     }
 
     pub fn release(&mut self, name: &ServicePortName) {
         if let Some(id) = self.ids.remove(name) {
-            self.names.remove(&id);
+            self.names.remove(id);
             self.alloc.release(id);
         }
     }
@@ -153,9 +251,9 @@ impl ServiceIds {
     /// Keeps only the ids `keep` accepts (e.g. after a restart, the ids of
     /// ports that are gone).
     pub fn retain(&mut self, mut keep: impl FnMut(u32) -> bool) {
-        let gone: Vec<u32> = self.names.keys().copied().filter(|id| !keep(*id)).collect();
+        let gone: Vec<u32> = self.iter().map(|(id, _)| id).filter(|id| !keep(*id)).collect();
         for id in gone {
-            if let Some(name) = self.names.remove(&id) {
+            if let Some(name) = self.names.remove(id) {
                 self.ids.remove(&name);
                 self.alloc.release(id);
             }
@@ -171,7 +269,7 @@ impl ServiceIds {
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u32, &Arc<ServicePortName>)> {
-        self.names.iter().map(|(id, n)| (*id, n))
+        self.names.iter()
     }
 }
 
@@ -217,6 +315,22 @@ mod tests {
     }
 
     #[test]
+    fn a_dense_map_takes_any_id() {
+        let mut m: DenseMap<u32> = [(3, 30), (u32::MAX, 1), (DENSE_IDS, 2)].into_iter().collect();
+        assert_eq!(m.len(), 3);
+        assert_eq!(
+            (m.get(3), m.get(u32::MAX), m.get(DENSE_IDS), m.get(4)),
+            (Some(&30), Some(&1), Some(&2), None)
+        );
+        assert!(m.slots.len() <= 4, "a huge id does not grow the vector");
+        assert_eq!(m.insert(3, 31), Some(30));
+        assert_eq!(m.remove(u32::MAX), Some(1));
+        assert_eq!(m.remove(u32::MAX), None);
+        assert_eq!(m.keys().collect::<Vec<_>>(), [3, DENSE_IDS]);
+        assert_eq!(m.len(), 2);
+    }
+
+    #[test]
     fn service_ids_survive_a_restart_without_leaking() {
         let mut ids = ServiceIds::new(4);
         assert!(ids.adopt(port("b"), 2));
@@ -228,6 +342,6 @@ mod tests {
         ids.release(&port("b"));
         assert_eq!(ids.assign(&port("e")), Some(2));
         assert_eq!(ids.get(&port("b")), None);
-        assert_eq!(ids.name(2).map(|n| n.name.as_str()), Some("e"));
+        assert_eq!(ids.name(2).map(|n| &*n.name), Some("e"));
     }
 }

@@ -7,10 +7,14 @@
 //! - [`desired`]: the pure function from a Service port to what it adds to
 //!   the table, with kube-proxy's semantics, and the whole table at once.
 //! - [`incremental`]: the table kept up to date port by port, with the
-//!   owner of every frontend and the claims on every backend.
+//!   owner of every frontend and the claims on every backend; [`stored`]:
+//!   how it keeps each port's part, compactly.
 //! - [`diff`]: turns the desired table and what the maps hold into ordered
 //!   map operations (backends, slots, frontends; removals in reverse).
 //! - [`ids`]: service and backend ids from free lists.
+//! - [`backend_map`]: the map by backend key both of them keep (a million
+//!   entries at scale: IPv4 keys packed).
+pub mod backend_map;
 pub mod desired;
 pub mod diff;
 #[cfg(test)]
@@ -18,4 +22,5 @@ pub mod fake;
 pub mod ids;
 pub mod incremental;
 pub mod model;
+pub mod stored;
 pub mod table;

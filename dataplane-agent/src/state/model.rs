@@ -1,6 +1,6 @@
 //! Inputs of the desired-state computation.
 
-use std::{net::IpAddr, time::Duration};
+use std::{net::IpAddr, sync::Arc, time::Duration};
 
 use super::table::ServicePortName;
 use crate::net::{IpCidr, IpFamily, Protocol};
@@ -10,10 +10,10 @@ use crate::net::{IpCidr, IpFamily, Protocol};
 /// `ServicePort` per family, as kube-proxy runs one proxier per family).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
-    pub namespace: String,
-    pub name: String,
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
     /// The port's name (may be empty).
-    pub port_name: String,
+    pub port_name: Arc<str>,
     pub proto: Protocol,
     pub family: IpFamily,
     pub port: u16,

@@ -2,7 +2,15 @@
 //! terms. `dataplane/` converts these to the kernel ABI (byte order, flags,
 //! slots); nothing here knows about maps.
 
-use std::{fmt, net::IpAddr, num::NonZeroU32, time::Duration};
+use std::{
+    fmt,
+    net::IpAddr,
+    num::NonZeroU32,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
+
+use foldhash::{HashSet, HashSetExt as _};
 
 use crate::net::{IpCidr, IpFamily, Protocol};
 
@@ -12,10 +20,12 @@ use crate::net::{IpCidr, IpFamily, Protocol};
 /// ranges are per service port (and keyed by its service id).
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServicePortName {
-    pub namespace: String,
-    pub name: String,
+    /// Shared strings: a hundred thousand of these are kept, and the
+    /// namespace and name are the Service key's own.
+    pub namespace: Arc<str>,
+    pub name: Arc<str>,
     /// The port's name (may be empty).
-    pub port_name: String,
+    pub port_name: Arc<str>,
     pub proto: Protocol,
     pub family: IpFamily,
 }
@@ -25,6 +35,21 @@ impl ServicePortName {
     pub fn object(&self) -> String {
         format!("{}/{}", self.namespace, self.name)
     }
+}
+
+/// A name many objects share (a namespace, a port name), interned: one
+/// allocation for all of them. What is interned is bounded by the cluster's
+/// namespaces and port names, and kept for the agent's life.
+pub fn intern(name: &str) -> Arc<str> {
+    static NAMES: Mutex<Option<HashSet<Arc<str>>>> = Mutex::new(None);
+    let mut names = NAMES.lock().unwrap_or_else(|e| e.into_inner());
+    let set = names.get_or_insert_with(HashSet::new);
+    if let Some(n) = set.get(name) {
+        return n.clone();
+    }
+    let n: Arc<str> = Arc::from(name);
+    set.insert(n.clone());
+    n
 }
 
 /// `namespace/name:port`, as logs, events and `inspect` show it; the IPv6

@@ -23,7 +23,7 @@ use dataplane_agent::{
     net::Protocol,
     state::{
         model::NodeContext,
-        table::{Frontend, MapTable},
+        table::{Frontend, MapTable, intern},
     },
 };
 use dataplane_tests::{cluster::Cluster, fake_api::FakeApiServer};
@@ -32,6 +32,7 @@ use serde_json::json;
 use super::{Stat, stat};
 
 pub const EPS: u32 = 10;
+
 /// Single changes measured per size and path.
 const CHANGES: usize = 60;
 /// Changes are this far apart: each is a change after a quiet spell (the
@@ -67,7 +68,7 @@ fn service_info(i: u32) -> ServiceInfo {
         uid: None,
         created: None,
         spec: Some(ServiceSpecInfo {
-            cluster_ips: vec![vip(i).into()],
+            cluster_ips: vec![vip(i).into()].into(),
             external_ips: vec![],
             load_balancer_ips: vec![],
             load_balancer_source_ranges: vec![],
@@ -77,11 +78,12 @@ fn service_info(i: u32) -> ServiceInfo {
             topology: Topology::Off,
             health_check_node_port: None,
             ports: vec![PortSpec {
-                name: "http".into(),
+                name: intern("http"),
                 proto: Protocol::Tcp,
                 port: 80,
                 node_port: None,
-            }],
+            }]
+            .into(),
         }),
         problems: vec![],
     }
@@ -93,10 +95,11 @@ fn slice_info(i: u32, salt: u32) -> SliceInfo {
         service: Some(format!("svc{i}").into()),
         family: Some(dataplane_agent::net::IpFamily::V4),
         ports: vec![SlicePort {
-            name: "http".into(),
+            name: intern("http"),
             proto: Protocol::Tcp,
             port: 8080,
-        }],
+        }]
+        .into(),
         endpoints: (0..EPS)
             .map(|k| SliceEndpoint {
                 addr: ep(i, k, salt).into(),
@@ -504,9 +507,36 @@ const ROUNDS: usize = 3;
 
 /// Every control-plane measurement: in-process rounds interleaved over the
 /// sizes, then an agent per size and source.
+///
+/// For quicker iterations: `--control-sizes 1000,100000` measures only those
+/// sizes, `--control-parts in-process` (or `agent`, `api`, `manifests`) only
+/// those parts, `--control-rounds N` another number of in-process rounds.
 pub fn measure(sizes: &[u32]) -> (Vec<InProcess>, Vec<AgentRow>) {
+    let arg = |name: &str| std::env::args().skip_while(|a| a != name).nth(1);
+    let chosen: Vec<u32>;
+    let sizes = match arg("--control-sizes") {
+        Some(list) => {
+            chosen = list
+                .split(',')
+                .map(|n| {
+                    n.trim()
+                        .parse()
+                        .expect("--control-sizes: numbers, comma-separated")
+                })
+                .collect();
+            &chosen[..]
+        }
+        None => sizes,
+    };
+    let parts = arg("--control-parts").unwrap_or_else(|| "in-process,agent".into());
+    let part = |p: &str| {
+        parts
+            .split(',')
+            .any(|x| x == p || (x == "agent" && (p == "api" || p == "manifests")))
+    };
+    let rounds_n = arg("--control-rounds").map_or(ROUNDS, |n| n.parse().expect("--control-rounds: a number"));
     let mut rounds: Vec<Vec<InProcess>> = sizes.iter().map(|_| Vec::new()).collect();
-    for round in 0..ROUNDS {
+    for round in 0..if part("in-process") { rounds_n } else { 0 } {
         for (i, &n) in sizes.iter().enumerate() {
             eprintln!(
                 "bench: control plane in-process, {n} services x {EPS} endpoints (round {})",
@@ -515,16 +545,24 @@ pub fn measure(sizes: &[u32]) -> (Vec<InProcess>, Vec<AgentRow>) {
             rounds[i].push(in_process(n));
         }
     }
-    let ours = rounds.into_iter().map(median_round).collect();
+    let ours = rounds
+        .into_iter()
+        .filter(|r| !r.is_empty())
+        .map(median_round)
+        .collect();
     let mut agents = Vec::new();
     for &n in sizes {
-        eprintln!(
-            "bench: agent fed by the API watch, {n} services (then idle {} s)",
-            IDLE.as_secs()
-        );
-        agents.push(through_api(n, true));
-        eprintln!("bench: agent fed by manifests, {n} services");
-        agents.push(through_manifests(n));
+        if part("api") {
+            eprintln!(
+                "bench: agent fed by the API watch, {n} services (then idle {} s)",
+                IDLE.as_secs()
+            );
+            agents.push(through_api(n, true));
+        }
+        if part("manifests") {
+            eprintln!("bench: agent fed by manifests, {n} services");
+            agents.push(through_manifests(n));
+        }
     }
     (ours, agents)
 }

@@ -1,0 +1,85 @@
+//! The datapath's counters for `/metrics`, read when a scrape asks for them
+//! (at most once per [`MIN_INTERVAL`]) on the metrics server's thread, from
+//! the pinned maps opened a second time. The control loop never waits on a
+//! walk of a hundred thousand per-CPU counters (tens of milliseconds at 100k
+//! Services: a change arriving meanwhile would wait as long), and an agent
+//! nobody scrapes spends nothing on them.
+
+use std::{
+    path::Path,
+    sync::Mutex,
+    time::{Duration, Instant},
+};
+
+use dataplane_common::stats::{Event as DpEvent, Hook};
+use tracing::warn;
+
+use super::metrics::SharedMetrics;
+use crate::dataplane::{DatapathError, LbMaps};
+
+/// Scrapes closer together than this get the counters read for the last
+/// one.
+pub const MIN_INTERVAL: Duration = Duration::from_secs(1);
+
+pub struct DatapathCounters {
+    /// The maps, and when they were last read.
+    maps: Mutex<(LbMaps, Option<Instant>)>,
+}
+
+impl DatapathCounters {
+    /// Opens the maps pinned under `pins` (the running agent's) for reading.
+    pub fn open(pins: &Path) -> Result<Self, DatapathError> {
+        let (maps, _) = LbMaps::open_pins(pins)?;
+        Ok(Self {
+            maps: Mutex::new((maps, None)),
+        })
+    }
+
+    /// Reads the counters into `metrics`, unless they were read less than
+    /// [`MIN_INTERVAL`] ago: batched reads of the counter arrays, one lookup
+    /// per Service port that saw traffic (for its name), and the conntrack
+    /// and affinity maps' sizes.
+    pub fn refresh(&self, metrics: &SharedMetrics) {
+        let mut guard = self.maps.lock().unwrap_or_else(|e| e.into_inner());
+        let (maps, last) = &mut *guard;
+        if last.is_some_and(|t| t.elapsed() < MIN_INTERVAL) {
+            return;
+        }
+        *last = Some(Instant::now());
+        let mut events = Vec::new();
+        for hook in Hook::ALL {
+            for event in DpEvent::ALL {
+                if let Ok(c) = maps.hook_counter(hook, event)
+                    && c.packets > 0
+                {
+                    events.push((
+                        hook.name().to_owned(),
+                        event.name().to_owned(),
+                        c.packets,
+                        c.bytes,
+                    ));
+                }
+            }
+        }
+        let (max_services, _, _) = maps.capacities();
+        let traffic: Vec<(String, u64, u64)> = match maps.all_service_stats(max_services) {
+            // Only ids that saw traffic are named.
+            Ok(stats) => stats
+                .into_iter()
+                .filter_map(|(id, c)| {
+                    let n = maps.service_name(id).ok().flatten()?;
+                    Some((format!("{n}/{}", n.proto), c.packets, c.bytes))
+                })
+                .collect(),
+            Err(e) => {
+                warn!(error = %e, "cannot read the per-service counters");
+                Vec::new()
+            }
+        };
+        let occupancy = maps.occupancy();
+        let mut m = metrics.lock().expect("metrics");
+        m.datapath_events = events;
+        m.service_traffic = traffic;
+        m.map_occupancy.extend(occupancy);
+    }
+}
