@@ -593,8 +593,19 @@ impl SliceInfo {
         let family = IpFamily::from_address_type(&slice.address_type);
         let mut ports = Vec::new();
         let mut endpoints = Vec::new();
-        // FQDN slices (and unknown address types) are not proxied: nothing
-        // of them is used or reported.
+        // FQDN slices are not proxied: nothing of them is used or reported.
+        // Any other address type is a mistake (kube-proxy's spelling is
+        // exact: "IPv4", "IPv6"): reported, since its endpoints are lost.
+        if family.is_none() && slice.address_type != "FQDN" && !slice.endpoints.is_empty() {
+            let what = match slice.address_type.as_str() {
+                "" => "addressType is missing".to_owned(),
+                t => format!("addressType {t:?} is none of \"IPv4\", \"IPv6\", \"FQDN\""),
+            };
+            problems.push(format!(
+                "{what}; the slice's {} endpoints are not used",
+                slice.endpoints.len()
+            ));
+        }
         if let Some(family) = family {
             for e in &slice.endpoints {
                 // Only the first address of an endpoint is used; one that is
@@ -961,6 +972,42 @@ endpoints: {endpoints}
         );
         let local: Vec<bool> = p[0].endpoints.iter().map(|e| e.local).collect();
         assert_eq!(local, [true, false]);
+    }
+
+    #[test]
+    fn a_misspelled_address_type_is_reported_and_fqdn_is_not() {
+        for (t, reported) in [
+            ("ipv4", true),
+            ("IP", true),
+            ("", true),
+            ("FQDN", false),
+            ("IPv4", false),
+        ] {
+            let yaml = SVC.to_owned()
+                + &slice("[{addresses: [10.0.0.1]}]").replace(
+                    "addressType: IPv4\n",
+                    &if t.is_empty() {
+                        String::new()
+                    } else {
+                        format!("addressType: {t}\n")
+                    },
+                );
+            let o = objects(&yaml);
+            let info = SliceInfo::parse(&o.slices[0]);
+            assert_eq!(info.problems.len(), reported as usize, "{t}: {:?}", info.problems);
+            if reported {
+                let named = match t {
+                    "" => "addressType is missing".to_owned(),
+                    t => format!("addressType {t:?}"),
+                };
+                assert!(info.problems[0].contains(&named), "{:?}", info.problems);
+                assert!(
+                    info.problems[0].contains("1 endpoints are not used"),
+                    "{:?}",
+                    info.problems
+                );
+            }
+        }
     }
 
     #[test]
