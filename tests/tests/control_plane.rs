@@ -159,6 +159,29 @@ fn one_agent_per_pin_directory_and_cleanup_refuses_a_running_one() {
     assert!(s.served(), "served again after the restart");
 }
 
+/// A start that fails on a port in use (here: the health port, held by the
+/// running agent) fails before it attaches anything: no second copy of the
+/// datapath is left on the node's device.
+#[test]
+fn a_start_failing_on_a_port_in_use_attaches_nothing() {
+    let s = sandbox(&[]);
+    let other_pins = s.agent.pin_dir.with_file_name("second-agent");
+    let mut args = s.agent.run_args();
+    let at = args.iter().position(|a| a == "--bpffs-dir").unwrap() + 1;
+    args[at] = other_pins.display().to_string();
+    let second = s.agent.run_in_node(&args, Duration::from_secs(20));
+    assert!(!second.status.success(), "the second agent must not run");
+    let why = stderr(&second);
+    assert!(why.contains("binding the health server"), "{why}");
+    let links: Vec<_> = std::fs::read_dir(other_pins.join("links"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(links.is_empty(), "attached before failing: {links:?}");
+    assert!(s.served(), "the running agent is undisturbed");
+    let cleanup = s.run(&["cleanup", "--bpffs-dir", &other_pins.display().to_string()]);
+    assert!(cleanup.status.success(), "{}", stderr(&cleanup));
+}
+
 #[test]
 fn a_restart_with_other_limits_resizes_the_pinned_maps_and_keeps_connections() {
     let mut s = sandbox(&[]);

@@ -4,7 +4,7 @@
 
 use std::{
     collections::BTreeSet,
-    sync::{Arc, Mutex, mpsc},
+    sync::{Arc, Mutex, OnceLock, mpsc},
     time::SystemTime,
 };
 
@@ -144,6 +144,26 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         );
     }
     let metrics = Arc::new(Mutex::new(Metrics::default()));
+    // The servers bind before anything is attached or changed: a port in
+    // use stops a start here, with the datapath as it was.
+    let health = Arc::new(Mutex::new(HealthState {
+        node_eligible: true,
+        ..Default::default()
+    }));
+    let http = http::ServerRuntime::start().context("starting the HTTP servers' runtime")?;
+    let health_addr = health_bind_address(&cfg.health_bind_address, &cfg.families())?;
+    let _health_server = health::proxy_server(&http, health_addr, health.clone(), cfg.sync_period)
+        .with_context(|| format!("binding the health server on {health_addr}"))?;
+    let counters = Arc::new(OnceLock::<DatapathCounters>::new());
+    let _metrics_server = metrics::server(&http, &cfg.metrics_bind_address, metrics.clone(), {
+        let counters = counters.clone();
+        move |m| {
+            if let Some(c) = counters.get() {
+                c.refresh(m)
+            }
+        }
+    })
+    .with_context(|| format!("binding the metrics server on {}", cfg.metrics_bind_address))?;
     let feed = match &cfg.source {
         Source::Manifests(paths) => Feed::Manifests(Box::new(
             ManifestFeed::start(paths.clone(), &cfg.node_name, metrics.clone(), events_tx.clone())
@@ -214,21 +234,11 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         }
     }
 
-    let health = Arc::new(Mutex::new(HealthState {
-        node_eligible: true,
-        ..Default::default()
-    }));
     pods.publish(&external, &health, &metrics);
-    let http = http::ServerRuntime::start().context("starting the HTTP servers' runtime")?;
-    let health_addr = health_bind_address(&cfg.health_bind_address, &cfg.families())?;
-    let _health_server = health::proxy_server(&http, health_addr, health.clone(), cfg.sync_period)
-        .with_context(|| format!("binding the health server on {health_addr}"))?;
-    let counters =
-        DatapathCounters::open(&cfg.bpffs_dir).context("opening the pinned maps for the counters")?;
-    let _metrics_server = metrics::server(&http, &cfg.metrics_bind_address, metrics.clone(), move |m| {
-        counters.refresh(m)
-    })
-    .with_context(|| format!("binding the metrics server on {}", cfg.metrics_bind_address))?;
+    // The counters read the maps in their final shape (after the resize).
+    let _ = counters.set(
+        DatapathCounters::open(&cfg.bpffs_dir).context("opening the pinned maps for the counters")?,
+    );
     let service_health = ServiceHealthServers::new(&http, health_addr.ip(), health.clone(), cfg.sync_period);
     info!(node = %cfg.node_name, health = %cfg.health_bind_address, metrics = %cfg.metrics_bind_address, "agent running");
     // LoadBalancer address allocation and L2 announcements: their own
