@@ -162,10 +162,12 @@ impl Syncer {
         for (id, name) in &table.service_names {
             ids.adopt(name.clone(), *id);
         }
+        let mut service_table = ServiceTable::new();
+        service_table.set_incumbents(table.frontends.iter().map(|(fe, e)| (*fe, e.service_id)));
         Self {
             node_name: node_name.to_owned(),
             ids,
-            table: ServiceTable::new(),
+            table: service_table,
             programmer: Programmer::adopt(max_backends, table),
             services: HashMap::new(),
             health: BTreeMap::new(),
@@ -280,6 +282,7 @@ impl Syncer {
             self.ids.retain(|id| live.contains(&id));
         }
         self.report_conflicts(&mut report);
+        self.table.settle_incumbents();
 
         let mut dirty = self.table.take_dirty();
         if kind == SyncKind::Reconcile || self.needs_reset {
@@ -992,6 +995,55 @@ mod tests {
         syncer.sync(&mut store, &node, &mut maps);
         assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "b");
         check(&store, &syncer, &maps, &node, "after the conflict");
+    }
+
+    #[test]
+    fn after_a_restart_the_holder_keeps_a_frontend_whatever_order_the_objects_come_in() {
+        // Manifests (no creation times): b came first and holds the
+        // NodePort a also claims. A new process reads both at once, a first:
+        // the pinned maps say b holds it, and b keeps it.
+        let node = node_context(false);
+        let np = Frontend {
+            addr: IpAddr::from([192, 168, 0, 1]),
+            port: 30000,
+            proto: Protocol::Tcp,
+        };
+        let (mut services, slices) = objects_with_conflict("2024-01-01T00:00:00Z");
+        for s in &mut services {
+            s.metadata.creation_timestamp = None;
+        }
+        let mut store = Store::default();
+        store.replace_services([services[1].clone()]);
+        store.replace_slices(slices.clone());
+        let mut syncer = Syncer::adopt(&MapTable::default(), NODE, 64, 64);
+        let mut maps = FakeMaps::default();
+        syncer.sync(&mut store, &node, &mut maps);
+        store.upsert_service(services[0].clone());
+        syncer.sync(&mut store, &node, &mut maps);
+        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "b");
+        let before = maps.clone();
+
+        let mut store = Store::default();
+        store.replace_services(services.clone());
+        store.replace_slices(slices);
+        let mut syncer = Syncer::adopt(&maps.read_table().unwrap(), NODE, 64, 64);
+        let report = syncer.sync(&mut store, &node, &mut maps);
+        assert_eq!(
+            &*maps.names[&maps.frontends[&np].service_id].name, "b",
+            "the holder keeps it"
+        );
+        assert_eq!(report.summary.ops, 0, "nothing to write after a restart");
+        assert_eq!(maps.frontends, before.frontends);
+        let (object, message) = &report.object_problems[0];
+        assert_eq!(object, "ns/a", "the other one is told");
+        assert!(message.contains("ns/b:p0"), "{message}");
+        // Once b goes, a takes it; b back is a newcomer and waits.
+        store.remove_service(&ObjectKey::new("ns", "b"));
+        syncer.sync(&mut store, &node, &mut maps);
+        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "a");
+        store.upsert_service(services[1].clone());
+        syncer.sync(&mut store, &node, &mut maps);
+        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "a");
     }
 
     #[test]

@@ -181,6 +181,13 @@ pub struct ServiceTable {
     frontends: HashMap<Frontend, Claimants>,
     /// Frontends with more than one claimant.
     contested: HashSet<Frontend>,
+    /// The holders the pinned maps named when the agent started (frontend →
+    /// service id; ids are adopted with their names): kept first among the
+    /// claimants of a frontend whatever their rank, so that a restart does
+    /// not hand a contested frontend to another Service (the existing holder
+    /// keeps it). Left only for contested frontends they still hold, after
+    /// each sync ([`ServiceTable::settle_incumbents`]).
+    incumbents: HashMap<Frontend, u32>,
     backends: BackendMap<PackedClaims>,
     /// Claims of backends named by more ports than a `PackedClaims` counts.
     many_claims: HashMap<BackendKey, BackendClaims>,
@@ -402,8 +409,13 @@ impl ServiceTable {
             return;
         };
         let mut all: Vec<u32> = claimants.iter().collect();
-        let rank = self.rank(id);
-        let at = all.partition_point(|other| self.rank(*other) < rank);
+        let incumbent = self.incumbents.get(&fe).copied();
+        let at = if incumbent == Some(id) {
+            0
+        } else {
+            let rank = self.rank(id);
+            all.partition_point(|other| Some(*other) == incumbent || self.rank(*other) < rank)
+        };
         all.insert(at, id);
         self.frontends.insert(
             fe,
@@ -440,6 +452,25 @@ impl ServiceTable {
         if rest.len() <= 1 {
             self.contested.remove(&fe);
         }
+    }
+
+    /// Records the holders of frontends found in the pinned maps (before
+    /// the first sync): see the `incumbents` field.
+    pub fn set_incumbents(&mut self, holders: impl IntoIterator<Item = (Frontend, u32)>) {
+        self.incumbents = holders.into_iter().collect();
+    }
+
+    /// Forgets the incumbents that no longer matter: those not holding a
+    /// contested frontend (uncontested, or no longer claiming it). After
+    /// the first sync what is left is a handful at most.
+    pub fn settle_incumbents(&mut self) {
+        if self.incumbents.is_empty() {
+            return;
+        }
+        let (frontends, contested) = (&self.frontends, &self.contested);
+        self.incumbents
+            .retain(|fe, id| contested.contains(fe) && frontends.get(fe).is_some_and(|c| c.first == *id));
+        self.incumbents.shrink_to_fit();
     }
 
     /// The keys touched since the last call.
