@@ -956,33 +956,53 @@ mod tests {
         check(&store, &syncer, &maps, &node, "after the holder left");
     }
 
-    #[test]
-    fn without_creation_times_the_service_seen_first_keeps_a_frontend() {
-        // Manifests carry no creationTimestamp: b arrives first, then a,
-        // whose name sorts first, claims b's NodePort. kube-proxy's rule is
-        // that the existing holder keeps it.
-        let node = node_context(false);
-        let np = Frontend {
-            addr: IpAddr::from([192, 168, 0, 1]),
-            port: 30000,
-            proto: Protocol::Tcp,
-        };
+    /// The NodePort `objects_with_conflict`'s Services both claim.
+    const CONFLICTED: Frontend = Frontend {
+        addr: IpAddr::V4(std::net::Ipv4Addr::new(192, 168, 0, 1)),
+        port: 30000,
+        proto: Protocol::Tcp,
+    };
+
+    fn holder(maps: &FakeMaps) -> String {
+        maps.names[&maps.frontends[&CONFLICTED].service_id]
+            .name
+            .to_string()
+    }
+
+    /// Manifests (no creation times): b arrives first, then a, whose name
+    /// sorts first, claims b's NodePort. The objects, and the agent after
+    /// the second sync with its report.
+    fn b_then_a_without_creation_times(
+        node: &NodeContext,
+    ) -> (
+        Vec<Service>,
+        Vec<EndpointSlice>,
+        Store,
+        Syncer,
+        FakeMaps,
+        SyncReport,
+    ) {
         let (mut services, slices) = objects_with_conflict("2024-01-01T00:00:00Z");
         for s in &mut services {
             s.metadata.creation_timestamp = None;
         }
         let mut store = Store::default();
         store.replace_services([services[1].clone()]);
-        store.replace_slices(slices);
+        store.replace_slices(slices.clone());
         let mut syncer = Syncer::adopt(&MapTable::default(), NODE, 64, 64);
         let mut maps = FakeMaps::default();
-        syncer.sync(&mut store, &node, &mut maps);
+        syncer.sync(&mut store, node, &mut maps);
         store.upsert_service(services[0].clone());
-        let report = syncer.sync(&mut store, &node, &mut maps);
-        assert_eq!(
-            &*maps.names[&maps.frontends[&np].service_id].name, "b",
-            "the holder keeps it"
-        );
+        let report = syncer.sync(&mut store, node, &mut maps);
+        (services, slices, store, syncer, maps, report)
+    }
+
+    #[test]
+    fn without_creation_times_the_service_seen_first_keeps_a_frontend() {
+        // kube-proxy's rule is that the existing holder keeps it.
+        let node = node_context(false);
+        let (services, _, mut store, mut syncer, mut maps, report) = b_then_a_without_creation_times(&node);
+        assert_eq!(holder(&maps), "b", "the holder keeps it");
         let (object, message) = &report.object_problems[0];
         assert_eq!(object, "ns/a", "the newcomer is told");
         assert!(message.contains("ns/b:p0"), "{message}");
@@ -993,34 +1013,17 @@ mod tests {
             b
         });
         syncer.sync(&mut store, &node, &mut maps);
-        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "b");
+        assert_eq!(holder(&maps), "b");
         check(&store, &syncer, &maps, &node, "after the conflict");
     }
 
     #[test]
     fn after_a_restart_the_holder_keeps_a_frontend_whatever_order_the_objects_come_in() {
-        // Manifests (no creation times): b came first and holds the
-        // NodePort a also claims. A new process reads both at once, a first:
-        // the pinned maps say b holds it, and b keeps it.
+        // b holds the NodePort a also claims. A new process reads both at
+        // once, a first: the pinned maps say b holds it, and b keeps it.
         let node = node_context(false);
-        let np = Frontend {
-            addr: IpAddr::from([192, 168, 0, 1]),
-            port: 30000,
-            proto: Protocol::Tcp,
-        };
-        let (mut services, slices) = objects_with_conflict("2024-01-01T00:00:00Z");
-        for s in &mut services {
-            s.metadata.creation_timestamp = None;
-        }
-        let mut store = Store::default();
-        store.replace_services([services[1].clone()]);
-        store.replace_slices(slices.clone());
-        let mut syncer = Syncer::adopt(&MapTable::default(), NODE, 64, 64);
-        let mut maps = FakeMaps::default();
-        syncer.sync(&mut store, &node, &mut maps);
-        store.upsert_service(services[0].clone());
-        syncer.sync(&mut store, &node, &mut maps);
-        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "b");
+        let (services, slices, _, _, mut maps, _) = b_then_a_without_creation_times(&node);
+        assert_eq!(holder(&maps), "b");
         let before = maps.clone();
 
         let mut store = Store::default();
@@ -1028,10 +1031,7 @@ mod tests {
         store.replace_slices(slices);
         let mut syncer = Syncer::adopt(&maps.read_table().unwrap(), NODE, 64, 64);
         let report = syncer.sync(&mut store, &node, &mut maps);
-        assert_eq!(
-            &*maps.names[&maps.frontends[&np].service_id].name, "b",
-            "the holder keeps it"
-        );
+        assert_eq!(holder(&maps), "b", "the holder keeps it");
         assert_eq!(report.summary.ops, 0, "nothing to write after a restart");
         assert_eq!(maps.frontends, before.frontends);
         let (object, message) = &report.object_problems[0];
@@ -1040,10 +1040,10 @@ mod tests {
         // Once b goes, a takes it; b back is a newcomer and waits.
         store.remove_service(&ObjectKey::new("ns", "b"));
         syncer.sync(&mut store, &node, &mut maps);
-        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "a");
+        assert_eq!(holder(&maps), "a");
         store.upsert_service(services[1].clone());
         syncer.sync(&mut store, &node, &mut maps);
-        assert_eq!(&*maps.names[&maps.frontends[&np].service_id].name, "a");
+        assert_eq!(holder(&maps), "a");
     }
 
     #[test]
