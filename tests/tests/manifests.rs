@@ -6,6 +6,7 @@
 use std::{
     io::ErrorKind,
     net::{Ipv4Addr, SocketAddrV4},
+    time::{Duration, Instant},
 };
 
 use dataplane_tests::{
@@ -27,13 +28,17 @@ struct Sandbox {
 
 impl Sandbox {
     fn new() -> Self {
+        Self::with_args(&[])
+    }
+
+    fn with_args(extra: &[&str]) -> Self {
         let mut cluster = Cluster::new();
         cluster.add_pod(0, "a");
         let p = cluster.pod("a");
         let server = EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TARGET));
         let manifests = ManifestDir::new(cluster.prefix());
         manifests.write("web.yaml", &web(&cluster));
-        let agent = cluster.start_agent(BIN, 0, &manifests, &[]);
+        let agent = cluster.start_agent(BIN, 0, &manifests, extra);
         Self {
             agent,
             manifests,
@@ -58,9 +63,13 @@ impl Sandbox {
     }
 
     fn healthz(&self) -> u16 {
+        self.health("/healthz")
+    }
+
+    /// The status of `path` on the health port (0: no answer).
+    fn health(&self, path: &str) -> u16 {
         let n = &self.cluster.nodes[0];
-        AgentProcess::http_get(n.ns(), SocketAddrV4::new(n.ip(), HEALTH_PORT), "/healthz")
-            .map_or(0, |(s, _)| s)
+        AgentProcess::http_get(n.ns(), SocketAddrV4::new(n.ip(), HEALTH_PORT), path).map_or(0, |(s, _)| s)
     }
 
     /// Retries `check` until it holds (the agent applies a stable change
@@ -195,4 +204,100 @@ fn trace_refuses_a_broken_manifest_with_the_file_and_line() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "trace accepted a broken file: {stderr}");
     assert!(stderr.contains("broken.yaml:4:10: unclosed bracket"), "{stderr}");
+}
+
+/// `services` Services for another proxy (`service-proxy-name: other`):
+/// parsed in full, nothing to program. The last document is a ConfigMap
+/// named `end-of-large`, reported (a log line) once the file is parsed.
+fn large_manifest(services: usize) -> String {
+    let mut y = String::with_capacity(services * 256);
+    for i in 0..services {
+        y.push_str(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: other-{i}\n  namespace: default\n  labels: {{service.kubernetes.io/service-proxy-name: other}}\nspec:\n  clusterIP: 10.96.{}.{}\n  ports: [{{name: p, port: 80, protocol: TCP}}, {{name: q, port: 443, protocol: TCP}}]\n---\n",
+            (i >> 8) & 255,
+            i & 255,
+        ));
+    }
+    y.push_str("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: end-of-large, namespace: default}\n");
+    y
+}
+
+/// The agent's pid: our child whose command line names its pin directory.
+fn agent_pid(agent: &AgentProcess) -> i32 {
+    let me = std::process::id().to_string();
+    let pins = agent.pin_dir.display().to_string();
+    for p in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = p.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(p.path().join("stat")).unwrap_or_default();
+        let ppid = stat.rsplit(')').next().and_then(|r| r.split_whitespace().nth(1));
+        let cmdline = std::fs::read(p.path().join("cmdline")).unwrap_or_default();
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        if ppid == Some(me.as_str())
+            && args
+                .windows(2)
+                .any(|w| w[0] == b"--bpffs-dir" && w[1] == pins.as_bytes())
+        {
+            return pid;
+        }
+    }
+    panic!("no agent process with --bpffs-dir {pins}");
+}
+
+/// A large manifest file is parsed off the control loop: while the agent
+/// parses one (about 50 MB, renamed into place), its syncs go on, so
+/// `/healthz` and `/livez` keep answering 200 (they fail after two sync
+/// periods without a sync, here 2 s), and SIGTERM ends it at once instead
+/// of after the parse.
+#[test]
+fn the_loop_keeps_syncing_and_stops_on_sigterm_while_a_large_manifest_is_parsed() {
+    let mut s = Sandbox::with_args(&["--sync-period-seconds", "1"]);
+    let large = large_manifest(200_000);
+    let size = large.len();
+    s.manifests.write("large.yaml", &large);
+    let renamed = Instant::now();
+    drop(large);
+
+    // Three sync periods and more: every answer 200.
+    let mut answers = Vec::new();
+    while renamed.elapsed() < Duration::from_secs(4) {
+        for path in ["/healthz", "/livez"] {
+            let asked = Instant::now();
+            let status = s.health(path);
+            answers.push((path, asked - renamed, status, asked.elapsed()));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // The test's premise: the parse is still going on.
+    let parsed = s.agent.log_text().contains("end-of-large");
+
+    let pid = agent_pid(&s.agent);
+    let sent = Instant::now();
+    // SAFETY: plain kill(2) of our own child.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let exited = s.agent.wait_exit(Duration::from_secs(5));
+    let took = sent.elapsed();
+    let slowest = answers.iter().map(|a| a.3).max().unwrap_or_default();
+    eprintln!(
+        "{} MB file: SIGTERM -> exit {took:?} ({exited:?}); {} health answers, slowest {slowest:?}",
+        size >> 20,
+        answers.len()
+    );
+    assert!(
+        !parsed,
+        "the {} MB file was parsed within 4 s: too small to test anything here",
+        size >> 20
+    );
+    let bad: Vec<_> = answers.iter().filter(|a| a.2 != 200).collect();
+    assert!(
+        bad.is_empty(),
+        "health answers other than 200 during the parse (path, since the rename, status, latency): {bad:?}\n{}",
+        s.agent.log_text()
+    );
+    assert!(
+        exited.is_some(),
+        "SIGTERM during the parse of a large manifest: still running after 5 s\n{}",
+        s.agent.log_text()
+    );
 }

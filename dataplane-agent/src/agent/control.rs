@@ -32,7 +32,7 @@ use tracing::{info, warn};
 
 use super::{
     config::NodePortAddresses,
-    feed::{Feed, FileChange},
+    feed::{Feed, ManifestUpdate},
     interfaces,
     kube_source::Change,
     metrics::Metrics,
@@ -45,8 +45,8 @@ use dataplane_common::names;
 pub enum Event {
     /// A change from the Kubernetes API.
     Kube(Change),
-    /// Manifest files changed.
-    Manifests(FileChange),
+    /// Manifest files changed (parsed on the watcher's thread).
+    Manifests(ManifestUpdate),
     /// A network interface, address or route changed.
     Links,
     /// SIGTERM or SIGINT.
@@ -192,10 +192,7 @@ impl ControlLoop {
         let mut seen_triggers = BTreeSet::new();
         loop {
             let now = Instant::now();
-            let mut deadline = clock.deadline(&store, &t, now);
-            if let Some(d) = self.feed.deadline() {
-                deadline = deadline.min(d);
-            }
+            let deadline = clock.deadline(&store, &t, now);
             if deadline > now {
                 match self.events.recv_timeout(deadline - now) {
                     Ok(ev) => {
@@ -214,9 +211,6 @@ impl ControlLoop {
                 }
             }
             let now = Instant::now();
-            if self.feed.deadline().is_some_and(|d| now >= d) {
-                self.feed.poll_due(&mut store);
-            }
             if now >= clock.next_housekeeping {
                 if !self.dp.pins_intact() {
                     return Err(ControlError::PinsRemoved(self.bpffs_dir.clone()));
@@ -240,7 +234,7 @@ impl ControlLoop {
                 continue;
             }
             let kind = if now >= clock.next_reconcile {
-                self.feed.resync(&mut store);
+                self.feed.resync();
                 SyncKind::Reconcile
             } else if clock.sync_due(&store, &t, now) {
                 SyncKind::Incremental
