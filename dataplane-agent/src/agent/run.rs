@@ -236,9 +236,8 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
 
     pods.publish(&external, &health, &metrics);
     // The counters read the maps in their final shape (after the resize).
-    let _ = counters.set(
-        DatapathCounters::open(&cfg.bpffs_dir).context("opening the pinned maps for the counters")?,
-    );
+    let _ = counters
+        .set(DatapathCounters::open(&cfg.bpffs_dir).context("opening the pinned maps for the counters")?);
     let service_health = ServiceHealthServers::new(&http, health_addr.ip(), health.clone(), cfg.sync_period);
     info!(node = %cfg.node_name, health = %cfg.health_bind_address, metrics = %cfg.metrics_bind_address, "agent running");
     // LoadBalancer address allocation and L2 announcements: their own
