@@ -612,7 +612,12 @@ fn connect_time_programs_attach_and_replace_under_a_pin_directory() {
     let how = dp.attach_cgroup(cgroup.path()).expect("replace with pins");
     assert_eq!(how, dataplane_agent::dataplane::Attached::Replaced);
     let links: Vec<String> = std::fs::read_dir(pins.path().join("links"))
-        .unwrap()
+        .unwrap_or_else(|e| {
+            let held: Vec<_> = std::fs::read_dir(pins.path())
+                .map(|d| d.flatten().map(|e| e.file_name()).collect())
+                .unwrap_or_default();
+            panic!("read {}/links: {e}; the directory holds {held:?}", pins.path().display())
+        })
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
     // connect, sendmsg, recvmsg and getpeername, for IPv4 and IPv6.
