@@ -616,7 +616,10 @@ fn connect_time_programs_attach_and_replace_under_a_pin_directory() {
             let held: Vec<_> = std::fs::read_dir(pins.path())
                 .map(|d| d.flatten().map(|e| e.file_name()).collect())
                 .unwrap_or_default();
-            panic!("read {}/links: {e}; the directory holds {held:?}", pins.path().display())
+            panic!(
+                "read {}/links: {e}; the directory holds {held:?}",
+                pins.path().display()
+            )
         })
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
         .collect();
