@@ -105,10 +105,15 @@ pub enum Event {
     UnsupportedProto = 15,
     /// A reject could not be built (buffer too small, options): dropped.
     DropRejectFailed = 16,
+    /// Dropped: a live flow from the same client address and port to the
+    /// same backend, through another frontend, holds the tuple the backend
+    /// sees. Egress hooks know a flow by that tuple alone, so the new one
+    /// would be translated as the live one.
+    DropTupleClash = 17,
 }
 
 impl Event {
-    pub const ALL: [Event; 17] = [
+    pub const ALL: [Event; 18] = [
         Event::Pass,
         Event::NewFlow,
         Event::Established,
@@ -126,6 +131,7 @@ impl Event {
         Event::DropNoBackend,
         Event::UnsupportedProto,
         Event::DropRejectFailed,
+        Event::DropTupleClash,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -147,6 +153,7 @@ impl Event {
             Event::DropNoBackend => "drop_no_backend",
             Event::UnsupportedProto => "unsupported_proto",
             Event::DropRejectFailed => "drop_reject_failed",
+            Event::DropTupleClash => "drop_tuple_clash",
         }
     }
 
@@ -160,6 +167,7 @@ impl Event {
                 | Event::DropCtFull
                 | Event::DropNoBackend
                 | Event::DropRejectFailed
+                | Event::DropTupleClash
         )
     }
 }
@@ -184,15 +192,20 @@ pub enum FlowStat {
     Reopened = 3,
     /// Fallback ports tried and found held by live flows.
     SnatPortsBusy = 4,
+    /// A closed or expired flow from the same client address and port to
+    /// the same backend (through another frontend) gave its tuple up to a
+    /// new flow.
+    TupleTakeover = 5,
 }
 
 impl FlowStat {
-    pub const ALL: [FlowStat; 5] = [
+    pub const ALL: [FlowStat; 6] = [
         FlowStat::SnatHashed,
         FlowStat::SnatFallback,
         FlowStat::SnatTakeover,
         FlowStat::Reopened,
         FlowStat::SnatPortsBusy,
+        FlowStat::TupleTakeover,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -202,6 +215,7 @@ impl FlowStat {
             FlowStat::SnatTakeover => "snat_port_takeover",
             FlowStat::Reopened => "reopened_closed_flow",
             FlowStat::SnatPortsBusy => "snat_ports_busy",
+            FlowStat::TupleTakeover => "tuple_takeover",
         }
     }
 }

@@ -9,9 +9,9 @@ use aya_ebpf::{
 use dataplane_common::{
     addr::Addr,
     config::DpConfig,
-    ct::{CtEntry, CtKey, ct_flags, state},
+    ct::{CtEntry, CtKey, ct_flags, snat_port_hash, state},
     proto,
-    stats::Event,
+    stats::{Event, FlowStat},
 };
 
 use crate::{
@@ -290,6 +290,116 @@ pub fn create<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>,
         return Event::DropCtFull;
     }
     Event::NewFlow
+}
+
+/// Makes room for a new flow `t` to `choice`'s backend, or returns
+/// [`Event::DropTupleClash`]. Egress hooks know a flow by the tuple between
+/// its client and its backend alone (the hashed `REP_IN` that tuple leads
+/// to, else the explicit `REP_OUT`/`FWD_OUT` keyed by it), so at most one
+/// flow may hold a (client address and port, backend) pair. Another flow
+/// holding it, through another frontend, is taken over when it has closed
+/// or expired (its entries that egress would find are removed) and
+/// otherwise makes the new flow a clash: translating it would rewrite it as
+/// the other one. A holder through the same frontend is this very tuple
+/// again (its `FWD_IN` lost, or a SYN racing its twin): taken over too.
+/// A subprogram beside `flow::decide` and `ct::create`.
+#[inline(never)]
+pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>, now: u64) -> Event {
+    let Some(s) = scratch::<F>() else {
+        return Event::DropCtFull;
+    };
+    let (backend, backend_port) = (choice.backend.address, choice.backend.port);
+    // A flow kept unmasqueraded (its owner) or masqueraded with an explicit
+    // port: a REP_OUT keyed backend → client.
+    s.key = CtKey {
+        saddr: backend,
+        daddr: t.saddr,
+        sport: backend_port,
+        dport: t.sport,
+        proto: t.proto,
+        _pad: [0; 3],
+    };
+    if let Some(e) = F::ct().get_ptr(&s.key) {
+        // SAFETY: a map value pointer, valid for this run; copied once.
+        s.a = unsafe { *e };
+        if s.a.role() == ct_flags::REP_OUT && !expired(cfg, t.proto, &s.a, now) {
+            let explicit = s.a.flags & ct_flags::EXPLICIT != 0;
+            // An explicit REP_OUT carries no state: the flow's FWD_IN does
+            // (keyed by the reverse of the translated tuple).
+            let live = if explicit {
+                s.key = s.a.nat_key(t.proto).reversed();
+                match F::ct().get_ptr(&s.key) {
+                    // SAFETY: as above.
+                    Some(f) => !reusable(cfg, t.proto, &unsafe { *f }, now),
+                    None => false,
+                }
+            } else {
+                !reusable(cfg, t.proto, &s.a, now)
+            };
+            if live && !same_frontend(&s.a, t) {
+                return Event::DropTupleClash;
+            }
+            s.key = CtKey {
+                saddr: backend,
+                daddr: t.saddr,
+                sport: backend_port,
+                dport: t.sport,
+                proto: t.proto,
+                _pad: [0; 3],
+            };
+            let _ = F::ct().remove(&s.key);
+            if explicit {
+                // Its FWD_OUT: client → backend.
+                s.key = CtKey {
+                    daddr: backend,
+                    dport: backend_port,
+                    ..*t
+                };
+                let _ = F::ct().remove(&s.key);
+            }
+            crate::stats::count_flow(FlowStat::TupleTakeover);
+        }
+    }
+    // A masqueraded flow with its hashed port: the REP_IN egress hooks
+    // compute from the client's address and port.
+    let port = snat_port_hash(
+        t.saddr,
+        t.sport,
+        cfg.snat_hash_seed,
+        cfg.snat_port_min,
+        cfg.snat_port_max,
+    );
+    s.key = CtKey {
+        saddr: backend,
+        daddr: F::snat_ip(cfg),
+        sport: backend_port,
+        dport: port.to_be(),
+        proto: t.proto,
+        _pad: [0; 3],
+    };
+    if let Some(e) = F::ct().get_ptr(&s.key) {
+        // SAFETY: as above.
+        s.a = unsafe { *e };
+        if s.a.role() == ct_flags::REP_IN
+            && s.a.nat_daddr == t.saddr
+            && s.a.nat_dport == t.sport
+            && !expired(cfg, t.proto, &s.a, now)
+        {
+            if !reusable(cfg, t.proto, &s.a, now) && !same_frontend(&s.a, t) {
+                return Event::DropTupleClash;
+            }
+            let _ = F::ct().remove(&s.key);
+            crate::stats::count_flow(FlowStat::TupleTakeover);
+        }
+    }
+    Event::NewFlow
+}
+
+/// Whether a reply-side entry translates to `t`'s frontend: it belongs to
+/// the tuple `t` itself.
+#[inline(always)]
+fn same_frontend<A: Addr>(e: &CtEntry<A>, t: &CtKey<A>) -> bool {
+    e.nat_saddr == t.daddr && e.nat_sport == t.dport
 }
 
 /// Inserts `value` at `key` unless a live flow holds it; a closed or

@@ -258,9 +258,12 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Ste
     };
     let now = ct::now();
     let mut choice = Choice::default();
-    // Three subprograms side by side (their stacks do not add up): the
-    // decision, the SNAT port's claim, the other entries.
+    // Subprograms side by side (their stacks do not add up): the decision,
+    // the tuple cleared of closed flows, the SNAT port's claim, the entries.
     let mut event = flow::decide::<F>(cfg, &pkt.tuple, now, &mut choice);
+    if event == Event::NewFlow {
+        event = ct::clear_tuple::<F>(cfg, &pkt.tuple, &choice, now);
+    }
     if event == Event::NewFlow && choice.snat {
         event = snat::claim::<F>(cfg, &pkt.tuple, &mut choice, now);
     }

@@ -8,8 +8,8 @@
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::{SocketAddr, TcpListener, TcpStream, UdpSocket},
-    os::fd::AsRawFd as _,
+    net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
     sync::{
         Arc,
         atomic::{AtomicBool, Ordering},
@@ -165,6 +165,84 @@ impl TcpClient {
     pub fn connect(ns: &NetNs, dst: impl Into<SocketAddr>) -> std::io::Result<Self> {
         let dst = dst.into();
         let stream = ns.run(|| TcpStream::connect_timeout(&dst, CLIENT_TIMEOUT))?;
+        stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
+        stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
+        Ok(Self {
+            writer: stream.try_clone()?,
+            reader: BufReader::new(stream),
+        })
+    }
+
+    /// Connects from `ns`'s IPv4 client port `port` to `dst`. The socket
+    /// has SO_REUSEADDR, so the port can be taken again while an earlier
+    /// connection from it (made this way) lingers in TIME_WAIT, as a busy
+    /// client's ports are.
+    pub fn connect_from_port(ns: &NetNs, port: u16, dst: SocketAddrV4) -> std::io::Result<Self> {
+        let fd = ns.run(|| -> std::io::Result<OwnedFd> {
+            // SAFETY: plain socket(2); the descriptor is owned right away.
+            let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+            if fd < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // SAFETY: a fresh descriptor nobody else owns.
+            Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        })?;
+        let check = |rc: i32| {
+            if rc == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        };
+        let one: libc::c_int = 1;
+        // SAFETY: valid option pointer and length.
+        check(unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_REUSEADDR,
+                (&raw const one).cast(),
+                size_of::<libc::c_int>() as u32,
+            )
+        })?;
+        // connect(2) gives up after SO_SNDTIMEO.
+        let tv = libc::timeval {
+            tv_sec: CLIENT_TIMEOUT.as_secs() as _,
+            tv_usec: 0,
+        };
+        // SAFETY: valid option pointer and length.
+        check(unsafe {
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_SNDTIMEO,
+                (&raw const tv).cast(),
+                size_of::<libc::timeval>() as u32,
+            )
+        })?;
+        let sin = |a: SocketAddrV4| libc::sockaddr_in {
+            sin_family: libc::AF_INET as u16,
+            sin_port: a.port().to_be(),
+            sin_addr: libc::in_addr {
+                s_addr: u32::from(*a.ip()).to_be(),
+            },
+            sin_zero: [0; 8],
+        };
+        let len = size_of::<libc::sockaddr_in>() as u32;
+        let local = sin(SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, port));
+        // SAFETY: a valid address for its length.
+        check(unsafe { libc::bind(fd.as_raw_fd(), (&raw const local).cast(), len) })?;
+        let remote = sin(dst);
+        // SAFETY: a valid address for its length.
+        if unsafe { libc::connect(fd.as_raw_fd(), (&raw const remote).cast(), len) } != 0 {
+            let e = std::io::Error::last_os_error();
+            return Err(if e.raw_os_error() == Some(libc::EINPROGRESS) {
+                std::io::ErrorKind::TimedOut.into()
+            } else {
+                e
+            });
+        }
+        let stream = TcpStream::from(fd);
         stream.set_read_timeout(Some(CLIENT_TIMEOUT))?;
         stream.set_write_timeout(Some(CLIENT_TIMEOUT))?;
         Ok(Self {

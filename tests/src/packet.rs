@@ -8,6 +8,7 @@ pub const UDP: u8 = 17;
 pub const ICMP: u8 = 1;
 pub const SCTP: u8 = 132;
 pub const ICMPV6: u8 = 58;
+pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
 pub const TCP_ACK: u8 = 0x10;
 

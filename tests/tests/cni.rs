@@ -16,7 +16,7 @@ use std::{
 use dataplane_tests::{
     agent::{AgentProcess, HEALTH_PORT, METRICS_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
     cluster::{Cluster, EXTERNAL_DEVICE, POD_BRIDGE, PodLayout, Wiring},
-    echo::{EchoServer, sockclient, tcp_request},
+    echo::{EchoServer, TcpClient, sockclient, tcp_request},
     services::EXTERNAL_VIP_RANGE,
 };
 
@@ -166,8 +166,14 @@ impl Sandbox {
         let ns = from.map_or(&self.cluster.client.ns, |p| &self.cluster.pod(p).ns);
         (0..n)
             .map(|i| {
-                let r = tcp_request(ns, dst, "x")
-                    .unwrap_or_else(|e| panic!("request {i} from {from:?} to {dst}: {e}\n{}", self.logs()));
+                let r = tcp_request(ns, dst, "x").unwrap_or_else(|e| {
+                    panic!(
+                        "request {i} from {from:?} to {dst}: {e}\n{}\n{}\n{}",
+                        self.stats(),
+                        self.inspect("conntrack"),
+                        self.logs()
+                    )
+                });
                 (r.server, r.peer.ip())
             })
             .collect()
@@ -200,11 +206,16 @@ impl Sandbox {
 
     /// node1's `inspect stats`, for failure messages.
     fn stats(&self) -> String {
+        self.inspect("stats")
+    }
+
+    /// node1's `inspect <what>`, for failure messages.
+    fn inspect(&self, what: &str) -> String {
         let out = std::process::Command::new(BIN)
             .arg("inspect")
             .arg("--bpffs-dir")
             .arg(self.cluster.bpffs.path().join("node1"))
-            .arg("stats")
+            .arg(what)
             .output()
             .expect("run inspect");
         String::from_utf8_lossy(&out.stdout).into_owned()
@@ -252,6 +263,23 @@ fn every_service_path_works(layout: PodLayout) {
         s.seen(None, SocketAddrV4::new(LB_CLUSTER, 80), 10),
         pairs(&[("a", node1)])
     );
+    // One client port to two frontends of backend a, one flow masqueraded
+    // and one not, the first closed (its tuple lingers) when the second
+    // opens: each is translated as itself, in either order.
+    let client = s.cluster.client.ip;
+    let (masqueraded, kept) = ((LB_CLUSTER, node1), (LB_LOCAL, client));
+    for (port, flows) in [(47000, [masqueraded, kept]), (47001, [kept, masqueraded])] {
+        for (dst, seen) in flows {
+            let r = TcpClient::connect_from_port(&s.cluster.client.ns, port, SocketAddrV4::new(dst, 80))
+                .and_then(|mut c| c.request("x"))
+                .unwrap_or_else(|e| panic!("from port {port} to {dst}: {e}\n{}\n{}", s.stats(), s.logs()));
+            assert_eq!(
+                (r.server.as_str(), r.peer.ip()),
+                ("a", seen.into()),
+                "port {port} to {dst}"
+            );
+        }
+    }
     // No endpoints: rejected, from a pod and from outside.
     s.refused(Some("client"), SocketAddrV4::new(EMPTY, 80));
     s.refused(None, SocketAddrV4::new(node1, EMPTY_NODE_PORT));

@@ -7,10 +7,13 @@
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 
 use dataplane_agent::{dataplane::Datapath, net::Protocol};
-use dataplane_common::stats::Event;
+use dataplane_common::{
+    names,
+    stats::{Event, FlowStat},
+};
 use dataplane_tests::{
     fixture::{Expect, Fixture, TC, Table, XDP, XDP_PASS, run, run_as, run_table},
-    packet::{Frame, TCP_ACK, TCP_SYN, icmp_error, parse_and_verify},
+    packet::{Frame, TCP_ACK, TCP_FIN, TCP_SYN, icmp_error, parse_and_verify},
     services::{TestEndpoint, TestService},
     testrun::{self, fixture_datapath},
 };
@@ -56,6 +59,10 @@ fn datapath() -> Datapath {
         TestService::new(7, "cip", Protocol::Tcp, 80)
             .cluster_ip(CLUSTER_IP)
             .endpoint(remote(8080)),
+        // The lb-local backend behind a masqueraded frontend as well.
+        TestService::new(10, "np-cluster-local", Protocol::Tcp, 80)
+            .node_port(30084)
+            .endpoint(local(8080)),
         TestService::new(9, "sctp", Protocol::Sctp, 9999)
             .node_port(30090)
             .external_local()
@@ -323,6 +330,111 @@ fn established_flow_and_replies_follow_conntrack() {
         sa(REMOTE_POD, 8080),
         "the source is restored at egress (tc_egress)"
     );
+}
+
+/// Egress hooks know a flow by the tuple between client and backend alone.
+/// Two flows from one client address and port to one backend through
+/// different frontends (a masqueraded NodePort and an eTP=Local LB IP) have
+/// the same such tuple: once the first has closed, the second takes the
+/// tuple over and is translated as its own (it was masqueraded as the old
+/// one, its replies given the old one's frontend); while the first is live,
+/// the second cannot be told apart from it and is dropped, counted, instead
+/// of being mistranslated. Both program types, both orders.
+#[test]
+fn a_client_port_reused_through_another_frontend_of_the_same_backend() {
+    for p in [XDP, TC] {
+        let dp = datapath();
+        let egress = |input: &[u8]| {
+            let (v, out, _) = testrun::run(dp.tc(names::TC_EGRESS).unwrap(), input, 1);
+            assert_eq!(v, 0, "TC_ACT_OK");
+            parse_and_verify(&out)
+        };
+        let ingress = |input: &[u8]| {
+            let (v, out) = run_as(&dp, p, input);
+            (v, out)
+        };
+        let backend = sa(LOCAL_POD, 8080);
+        let node_port = sa(NODE, 30084);
+        let lb = sa(LB_LOCAL, 80);
+        // (forward packet as it leaves towards the backend, SNAT source).
+        let open = |client: SocketAddr, frontend: SocketAddr| {
+            let (v, out) = ingress(&Frame::tcp(client, frontend, TCP_SYN).build());
+            assert_eq!(v, p.pass, "{}: SYN {client} -> {frontend}", p.program);
+            assert_eq!(parse_and_verify(&out).dst_addr(), backend);
+            egress(&out).src_addr()
+        };
+        // The backend's packet to `seen` (its view of the client), as the
+        // client receives it.
+        let reply = |seen: SocketAddr, flags: u8| {
+            let (v, out) = ingress(&Frame::tcp(backend, seen, flags).build());
+            assert_eq!(v, p.pass);
+            let o = egress(&out);
+            (o.src_addr(), o.dst_addr())
+        };
+
+        // 1. Masqueraded, then closed (FIN each way).
+        let client = sa(CLIENT, 43000);
+        let snat = open(client, node_port);
+        assert_eq!(snat.ip(), NODE, "{}: masqueraded", p.program);
+        assert_eq!(reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
+        let (v, _) = ingress(&Frame::tcp(client, node_port, TCP_FIN | TCP_ACK).build());
+        assert_eq!(v, p.pass);
+        assert_eq!(reply(snat, TCP_FIN | TCP_ACK), (node_port, client));
+        // The same client port to the LB IP (eTP=Local: client kept): not
+        // masqueraded, replies from the LB IP.
+        assert_eq!(
+            open(client, lb),
+            client,
+            "{}: not masqueraded as the closed flow",
+            p.program
+        );
+        assert_eq!(reply(client, TCP_SYN | TCP_ACK), (lb, client), "{}", p.program);
+
+        // 2. The other order: unmasqueraded and closed, then masqueraded.
+        let client = sa(CLIENT, 43001);
+        assert_eq!(open(client, lb), client);
+        let (v, _) = ingress(&Frame::tcp(client, lb, TCP_FIN | TCP_ACK).build());
+        assert_eq!(v, p.pass);
+        assert_eq!(reply(client, TCP_FIN | TCP_ACK), (lb, client));
+        let snat = open(client, node_port);
+        assert_eq!(snat.ip(), NODE, "{}: masqueraded", p.program);
+        assert_eq!(
+            reply(snat, TCP_SYN | TCP_ACK),
+            (node_port, client),
+            "{}",
+            p.program
+        );
+
+        // 3. While the first flow is live, either way round: the second is
+        // dropped, the first keeps its translation.
+        let dropped = || dp.maps().counter(Event::DropTupleClash).unwrap().packets;
+        let client = sa(CLIENT, 43002);
+        let snat = open(client, node_port);
+        let (v, _) = ingress(&Frame::tcp(client, lb, TCP_SYN).build());
+        assert_eq!(v, p.drop, "{}: a live flow holds the tuple", p.program);
+        assert_eq!(dropped(), 1);
+        assert_eq!(reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
+        let (v, out) = ingress(&Frame::tcp(client, node_port, TCP_ACK).build());
+        assert_eq!(v, p.pass);
+        assert_eq!(egress(&out).src_addr(), snat);
+
+        let client = sa(CLIENT, 43003);
+        assert_eq!(open(client, lb), client);
+        let (v, _) = ingress(&Frame::tcp(client, node_port, TCP_SYN).build());
+        assert_eq!(v, p.drop, "{}: a live flow holds the tuple", p.program);
+        assert_eq!(dropped(), 2);
+        assert_eq!(reply(client, TCP_SYN | TCP_ACK), (lb, client));
+
+        let taken_over = dp
+            .maps()
+            .flow_stats()
+            .unwrap()
+            .into_iter()
+            .find(|(s, _)| *s == FlowStat::TupleTakeover)
+            .unwrap()
+            .1;
+        assert_eq!(taken_over, 2, "{}: the closed flows' tuples", p.program);
+    }
 }
 
 #[test]
