@@ -361,7 +361,11 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
         }
     }
     // A masqueraded flow with its hashed port: the REP_IN egress hooks
-    // compute from the client's address and port.
+    // compute from the client's address and port. A masqueraded newcomer
+    // looks there itself when it claims that port (`claim` with the flow).
+    if choice.snat {
+        return Event::NewFlow;
+    }
     let port = snat_port_hash(
         t.saddr,
         t.sport,
@@ -404,38 +408,67 @@ fn same_frontend<A: Addr>(e: &CtEntry<A>, t: &CtKey<A>) -> bool {
 
 /// Inserts `value` at `key` unless a live flow holds it; a closed or
 /// expired one is taken over (removed, then inserted with `BPF_NOEXIST`,
-/// so that of two CPUs racing for the key exactly one wins).
+/// so that of two CPUs racing for the key exactly one wins). With `flow`
+/// (a masqueraded flow claiming its hashed port), a holder from the same
+/// client address and port is that flow's tuple (see [`clear_tuple`]):
+/// taken over if closed or through the same frontend, a clash otherwise.
 #[inline(always)]
-pub fn claim<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, value: &CtEntry<F::A>, now: u64) -> Claim {
+pub fn claim<F: Family>(
+    cfg: &DpConfig,
+    key: &CtKey<F::A>,
+    value: &CtEntry<F::A>,
+    now: u64,
+    flow: Option<&CtKey<F::A>>,
+) -> Claim {
     // Look before inserting: an insert that fails on an existing key costs
     // the LRU a node taken and given back, several times a lookup.
     let taken = match F::ct().get_ptr(key) {
-        // SAFETY: a map value pointer; read once.
-        Some(old) if !reusable(cfg, key.proto, &unsafe { *old }, now) => return Claim::Busy,
-        Some(_) => {
+        Some(old) => {
+            // SAFETY: a map value pointer; copied once.
+            let old = unsafe { *old };
+            let free = reusable(cfg, key.proto, &old, now);
+            let tuple = flow.filter(|t| {
+                old.role() == ct_flags::REP_IN
+                    && old.nat_daddr == t.saddr
+                    && old.nat_dport == t.sport
+                    && !expired(cfg, key.proto, &old, now)
+            });
+            match tuple {
+                Some(t) if !free && !same_frontend(&old, t) => return Claim::Clash,
+                None if !free => return Claim::Busy,
+                _ => {}
+            }
             let _ = F::ct().remove(key);
-            true
+            if tuple.is_some() {
+                Claim::TupleTakenOver
+            } else {
+                Claim::TakenOver
+            }
         }
-        None => false,
+        None => Claim::Free,
     };
     // BPF_NOEXIST: of CPUs racing for the key, exactly one wins.
-    match (F::ct().insert(key, value, BPF_NOEXIST as u64).is_ok(), taken) {
-        (false, _) => Claim::Busy,
-        (true, false) => Claim::Free,
-        (true, true) => Claim::TakenOver,
+    if F::ct().insert(key, value, BPF_NOEXIST as u64).is_err() {
+        return Claim::Busy;
     }
+    taken
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Claim {
     Free,
+    /// From a closed or expired flow of another client port.
     TakenOver,
+    /// From a closed flow of the same client port (or its own stale tuple).
+    TupleTakenOver,
     Busy,
+    /// A live flow of the same client port through another frontend.
+    Clash,
 }
 
 impl Claim {
     #[inline(always)]
     pub fn won(self) -> bool {
-        self != Claim::Busy
+        matches!(self, Claim::Free | Claim::TakenOver | Claim::TupleTakenOver)
     }
 }

@@ -4,7 +4,9 @@
 //!
 //! First choice: the port hashed from the client's address and port, which
 //! egress hooks recompute from the packet, so the flow needs no egress
-//! entries. When a live flow to the same backend holds that port, ports are
+//! entries. A live flow from the same client port to the same backend
+//! through another frontend holding it is a clash (`ct::clear_tuple`): the
+//! new flow is dropped. When another live flow to the same backend holds it, ports are
 //! tried from a per-CPU, per-backend cursor that advances through the range:
 //! consecutive flows to a backend get ports far apart in time, and a port
 //! is taken again only after the whole range has gone round. A port held by
@@ -74,12 +76,15 @@ fn search<F: Family>(
         proto: t.proto,
         _pad: [0; 3],
     };
-    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now);
+    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t));
+    match outcome {
+        Claim::Clash => return Err(Event::DropTupleClash),
+        Claim::TakenOver => stats::count_flow(FlowStat::SnatTakeover),
+        Claim::TupleTakenOver => stats::count_flow(FlowStat::TupleTakeover),
+        _ => {}
+    }
     if outcome.won() {
         stats::count_flow(FlowStat::SnatHashed);
-        if outcome == Claim::TakenOver {
-            stats::count_flow(FlowStat::SnatTakeover);
-        }
         return Ok((s.key.dport, false));
     }
     s.b.flags |= ct_flags::EXPLICIT;
@@ -102,7 +107,7 @@ fn search<F: Family>(
             continue;
         }
         s.key.dport = port.to_be();
-        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now);
+        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, None);
         if outcome.won() {
             // SAFETY: as above.
             unsafe { *cursor = next };

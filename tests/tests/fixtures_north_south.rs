@@ -25,6 +25,7 @@ const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 10);
 const LB_LOCAL: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 const EXT_UDP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 20);
 const LB_RANGED: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 30);
+const LB_CLUSTER_LOCAL: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 40);
 const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 10);
 
 fn sa(ip: Ipv4Addr, port: u16) -> SocketAddr {
@@ -62,6 +63,7 @@ fn datapath() -> Datapath {
         // The lb-local backend behind a masqueraded frontend as well.
         TestService::new(10, "np-cluster-local", Protocol::Tcp, 80)
             .node_port(30084)
+            .load_balancer_ip(LB_CLUSTER_LOCAL)
             .endpoint(local(8080)),
         TestService::new(9, "sctp", Protocol::Sctp, 9999)
             .node_port(30090)
@@ -334,8 +336,8 @@ fn established_flow_and_replies_follow_conntrack() {
 
 /// Egress hooks know a flow by the tuple between client and backend alone.
 /// Two flows from one client address and port to one backend through
-/// different frontends (a masqueraded NodePort and an eTP=Local LB IP) have
-/// the same such tuple: once the first has closed, the second takes the
+/// different frontends (a masqueraded NodePort and an eTP=Local LB IP, or
+/// two masqueraded ones) have the same such tuple: once the first has closed, the second takes the
 /// tuple over and is translated as its own (it was masqueraded as the old
 /// one, its replies given the old one's frontend); while the first is live,
 /// the second cannot be told apart from it and is dropped, counted, instead
@@ -425,6 +427,27 @@ fn a_client_port_reused_through_another_frontend_of_the_same_backend() {
         assert_eq!(dropped(), 2);
         assert_eq!(reply(client, TCP_SYN | TCP_ACK), (lb, client));
 
+        // 4. Both masqueraded (NodePort, then the LB IP of the same
+        // Service): closed, the tuple is taken over; live, a clash.
+        let lb_cluster = sa(LB_CLUSTER_LOCAL, 80);
+        let client = sa(CLIENT, 43004);
+        let snat = open(client, node_port);
+        let (v, _) = ingress(&Frame::tcp(client, lb_cluster, TCP_SYN).build());
+        assert_eq!(v, p.drop, "{}: a live flow holds the tuple", p.program);
+        assert_eq!(dropped(), 3);
+        assert_eq!(reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
+        let (v, _) = ingress(&Frame::tcp(client, node_port, TCP_FIN | TCP_ACK).build());
+        assert_eq!(v, p.pass);
+        assert_eq!(reply(snat, TCP_FIN | TCP_ACK), (node_port, client));
+        let snat = open(client, lb_cluster);
+        assert_eq!(snat.ip(), NODE);
+        assert_eq!(
+            reply(snat, TCP_SYN | TCP_ACK),
+            (lb_cluster, client),
+            "{}",
+            p.program
+        );
+
         let taken_over = dp
             .maps()
             .flow_stats()
@@ -433,7 +456,7 @@ fn a_client_port_reused_through_another_frontend_of_the_same_backend() {
             .find(|(s, _)| *s == FlowStat::TupleTakeover)
             .unwrap()
             .1;
-        assert_eq!(taken_over, 2, "{}: the closed flows' tuples", p.program);
+        assert_eq!(taken_over, 3, "{}: the closed flows' tuples", p.program);
     }
 }
 
