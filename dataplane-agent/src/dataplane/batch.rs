@@ -65,9 +65,23 @@ fn bytes_of<T: Pod>(v: &[T]) -> &[u8] {
     unsafe { std::slice::from_raw_parts(v.as_ptr().cast::<u8>(), std::mem::size_of_val(v)) }
 }
 
+/// Entries from which an update is split over several threads: the
+/// kernel's per-entry work (hashing, a bucket lock, a preallocated element
+/// from this CPU's free list, copies) is most of a large write, and hash
+/// maps take concurrent writers on different buckets.
+pub const PARALLEL_MIN: usize = 16 * CHUNK;
+
+/// Threads a large update is split over.
+fn writers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+}
+
 /// Writes (creates or replaces) the entries given as packed key and value
 /// bytes (`key_size` and `value_size` bytes each); returns how many. On
-/// failure returns how many entries were written (in order) with the error.
+/// failure returns a prefix of the entries known written (in order) with
+/// the error; with several writers, entries beyond it may be written too
+/// (callers re-read the maps after any failed write). Large updates are
+/// split over up to 4 threads ([`PARALLEL_MIN`]).
 /// (Batched updates take no `BPF_NOEXIST`: only `BPF_F_LOCK` is allowed.)
 pub fn update_raw(
     fd: BorrowedFd<'_>,
@@ -78,6 +92,49 @@ pub fn update_raw(
 ) -> Result<usize, (usize, io::Error)> {
     let count = keys.len().checked_div(key_size).unwrap_or(0);
     assert_eq!(values.len(), count * value_size, "one value per key");
+    let threads = writers();
+    if count < PARALLEL_MIN || threads < 2 {
+        return update_serial(fd, key_size, value_size, keys, values);
+    }
+    let per = count.div_ceil(threads);
+    let results: Vec<Result<usize, (usize, io::Error)>> = std::thread::scope(|scope| {
+        let parts: Vec<_> = (0..count)
+            .step_by(per)
+            .map(|start| {
+                let end = (start + per).min(count);
+                let (k, v) = (
+                    &keys[start * key_size..end * key_size],
+                    &values[start * value_size..end * value_size],
+                );
+                scope.spawn(move || update_serial(fd, key_size, value_size, k, v))
+            })
+            .collect();
+        parts
+            .into_iter()
+            .map(|p| p.join().expect("a batch writer panicked"))
+            .collect()
+    });
+    // The prefix known written: whole parts up to the first that failed,
+    // and what that one wrote.
+    let mut written = 0;
+    for r in results {
+        match r {
+            Ok(n) => written += n,
+            Err((n, e)) => return Err((written + n, e)),
+        }
+    }
+    Ok(written)
+}
+
+/// [`update_raw`] on the calling thread, in order.
+fn update_serial(
+    fd: BorrowedFd<'_>,
+    key_size: usize,
+    value_size: usize,
+    keys: &[u8],
+    values: &[u8],
+) -> Result<usize, (usize, io::Error)> {
+    let count = keys.len().checked_div(key_size).unwrap_or(0);
     let (mut start, mut written) = (0, 0);
     while start < count {
         let n = (count - start).min(CHUNK);
@@ -240,5 +297,84 @@ pub fn for_each_raw(
         }
         first = false;
         tokens.swap(0, 1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::{AsFd as _, FromRawFd as _, OwnedFd};
+
+    use super::*;
+
+    /// A fresh preallocated hash map of u32 → u64 (needs CAP_BPF: the unit
+    /// tests run as root in CI).
+    fn hash_map(max_entries: u32) -> OwnedFd {
+        #[repr(C)]
+        #[derive(Default)]
+        struct CreateAttr {
+            map_type: u32,
+            key_size: u32,
+            value_size: u32,
+            max_entries: u32,
+            map_flags: u32,
+            _rest: [u32; 11],
+        }
+        let attr = CreateAttr {
+            map_type: 1, // BPF_MAP_TYPE_HASH
+            key_size: 4,
+            value_size: 8,
+            max_entries,
+            ..Default::default()
+        };
+        // SAFETY: BPF_MAP_CREATE (0) with a valid, zero-padded attribute of
+        // the size passed.
+        let fd = unsafe { libc::syscall(libc::SYS_bpf, 0, &raw const attr, size_of::<CreateAttr>()) };
+        assert!(fd >= 0, "create a BPF hash map: {}", io::Error::last_os_error());
+        // SAFETY: a fresh descriptor nobody else owns.
+        unsafe { OwnedFd::from_raw_fd(fd as i32) }
+    }
+
+    fn entries(n: u32) -> (Vec<u32>, Vec<u64>) {
+        ((0..n).collect(), (0..n).map(|k| u64::from(k) * 3 + 1).collect())
+    }
+
+    fn contents(fd: BorrowedFd<'_>) -> std::collections::BTreeMap<u32, u64> {
+        let mut m = std::collections::BTreeMap::new();
+        for_each(fd, |k: &u32, v: &u64| {
+            m.insert(*k, *v);
+        })
+        .unwrap();
+        m
+    }
+
+    #[test]
+    fn a_large_update_split_over_threads_writes_every_entry() {
+        let n = (PARALLEL_MIN * 2 + 17) as u32;
+        let map = hash_map(n);
+        let (keys, values) = entries(n);
+        update_pairs(map.as_fd(), &keys, &values).expect("write");
+        let got = contents(map.as_fd());
+        assert_eq!(got.len(), n as usize);
+        assert!(got.iter().all(|(k, v)| *v == u64::from(*k) * 3 + 1));
+    }
+
+    #[test]
+    fn a_large_update_that_does_not_fit_reports_a_prefix_known_written() {
+        let n = (PARALLEL_MIN * 2) as u32;
+        let capacity = n - 1000;
+        let map = hash_map(capacity);
+        let (keys, values) = entries(n);
+        let (written, e) = update_pairs(map.as_fd(), &keys, &values).expect_err("more entries than room");
+        assert_eq!(e.raw_os_error(), Some(libc::E2BIG), "{e}");
+        let got = contents(map.as_fd());
+        assert!(
+            written < n as usize && got.len() <= capacity as usize,
+            "{written}, {}",
+            got.len()
+        );
+        assert!(
+            (0..written as u32).all(|k| got.get(&k) == Some(&(u64::from(k) * 3 + 1))),
+            "the first {written} entries are in the map"
+        );
     }
 }
