@@ -423,6 +423,7 @@ pub fn through_api(n: u32, measure_idle: bool) -> AgentRow {
     let mut agent = BenchAgent::start(&cluster, n, &["--source", "kubernetes", "--k8s-api-server", &url]);
     let first = agent.wait_for("synced kind=\"full\"", Duration::from_secs(600));
     let start_to_programmed_s = agent.started.elapsed().as_secs_f64();
+    eprintln!("bench: {n} services, API watch, first sync: {first}");
     let (event_ms, event_p99_ms) = measure_changes(&agent, n, |i, salt| api.apply(&slice_object(i, salt)));
     let idle = measure_idle.then(|| {
         std::thread::sleep(Duration::from_secs(3));
