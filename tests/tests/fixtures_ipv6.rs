@@ -11,7 +11,7 @@ use dataplane_agent::{dataplane::Datapath, net::Protocol};
 use dataplane_common::{names, stats::Event};
 use dataplane_tests::{
     fixture::{Expect, Fixture, TC, Table, XDP, run_as, run_table},
-    packet::{Ext, Frame, TCP_ACK, TCP_SYN, icmp6_echo_request, icmp6_error, parse_and_verify},
+    packet::{Ext, Frame, TCP_ACK, TCP_FIN, TCP_SYN, icmp6_echo_request, icmp6_error, parse_and_verify},
     services::{TestEndpoint, TestService},
     testrun::{self, fixture_datapath_dual},
 };
@@ -342,6 +342,61 @@ fn masqueraded_flows_and_replies_in_both_program_types() {
     }
 }
 
+/// One client port to two frontends of one IPv6 backend (a ClusterIP
+/// reached from outside, masqueraded, and an eTP=Local LB IP, not): once
+/// the first flow has closed, the second is translated as itself; while it
+/// is live, the second is dropped as a clash (see the IPv4 fixture).
+#[test]
+fn an_ipv6_client_port_reused_through_another_frontend_of_the_same_backend() {
+    for p in [XDP, TC] {
+        let dp = datapath();
+        let egress = |input: &[u8]| {
+            let (v, out, _) = testrun::run(dp.tc(names::TC_EGRESS).unwrap(), input, 1);
+            assert_eq!(v, 0, "TC_ACT_OK");
+            parse_and_verify(&out)
+        };
+        let ingress = |input: &[u8]| run_as(&dp, p, input);
+        let backend = sa(LOCAL_POD, 8080);
+        let (cip, lb) = (sa(cluster_ip(10), 80), sa(LB_LOCAL, 80));
+        let open = |client: SocketAddr, frontend: SocketAddr| {
+            let (v, out) = ingress(&Frame::tcp(client, frontend, TCP_SYN).build());
+            assert_eq!(v, p.pass, "{}: SYN {client} -> {frontend}", p.program);
+            assert_eq!(parse_and_verify(&out).dst_addr(), backend);
+            egress(&out).src_addr()
+        };
+        let reply = |seen: SocketAddr, flags: u8| {
+            let (v, out) = ingress(&Frame::tcp(backend, seen, flags).build());
+            assert_eq!(v, p.pass);
+            let o = egress(&out);
+            (o.src_addr(), o.dst_addr())
+        };
+        let client = sa(CLIENT, 43100);
+        let snat = open(client, cip);
+        assert_eq!(
+            snat.ip(),
+            std::net::IpAddr::from(NODE),
+            "{}: masqueraded",
+            p.program
+        );
+        // Live: the LB IP from the same port is a clash.
+        let (v, _) = ingress(&Frame::tcp(client, lb, TCP_SYN).build());
+        assert_eq!(v, p.drop, "{}", p.program);
+        assert_eq!(dp.maps().counter(Event::DropTupleClash).unwrap().packets, 1);
+        assert_eq!(reply(snat, TCP_SYN | TCP_ACK), (cip, client));
+        // Closed: the LB IP flow takes the tuple over.
+        let (v, _) = ingress(&Frame::tcp(client, cip, TCP_FIN | TCP_ACK).build());
+        assert_eq!(v, p.pass);
+        assert_eq!(reply(snat, TCP_FIN | TCP_ACK), (cip, client));
+        assert_eq!(
+            open(client, lb),
+            client,
+            "{}: not masqueraded as the closed flow",
+            p.program
+        );
+        assert_eq!(reply(client, TCP_SYN | TCP_ACK), (lb, client), "{}", p.program);
+    }
+}
+
 /// ICMPv6 errors about translated flows reach the endpoint whose packet
 /// they quote, quoting it as that endpoint sent it: path MTU discovery
 /// through IPv6 Services ("packet too big") both ways.
@@ -486,9 +541,12 @@ fn pods_reach_ipv6_services() {
     );
 
     // eTP=Local external destination from a pod: the cluster set, no SNAT.
+    // (Another client port: from 42000 the backend would see the live
+    // ClusterIP flow's tuple again, a clash.)
+    let other_pod2 = sa(Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x20), 42002);
     let (v, o) = pod(
         names::TC_POD_INGRESS,
-        &Frame::tcp(other_pod, sa(NODE, 30082), TCP_SYN).build(),
+        &Frame::tcp(other_pod2, sa(NODE, 30082), TCP_SYN).build(),
     );
     assert_eq!(v, 0);
     assert_eq!(

@@ -28,6 +28,10 @@ fn fuzzed_frames_are_never_mistranslated() {
             r.translated > 1_000 && r.untouched > 1_000 && r.dropped > 0 && r.rejected > 0,
             "seed {seed}: {r:?}"
         );
+        // Clash drops (a client port reused through another frontend of a
+        // live flow's backend) are let through the model: they must stay
+        // the exception among frames that must translate.
+        assert!(r.clashes * 10 < r.must_translate, "seed {seed}: {r:?}");
         assert!(
             r.translated6 > 500 && r.untouched6 > 500 && r.dropped6 > 0 && r.rejected6 > 0,
             "seed {seed}: IPv6: {r:?}"

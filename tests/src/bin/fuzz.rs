@@ -32,7 +32,7 @@ fn main() {
         r.violation_count
     );
     println!(
-        "fuzz: IPv6: {} frames: {} untouched, {} translated, {} dropped, {} rejected; ICMP errors translated: {} ({} ICMPv6); ingress runs required to translate: {} ({} IPv6)",
+        "fuzz: IPv6: {} frames: {} untouched, {} translated, {} dropped, {} rejected; ICMP errors translated: {} ({} ICMPv6); ingress runs required to translate: {} ({} IPv6), of which dropped as tuple clashes: {}",
         r.packets6,
         r.untouched6,
         r.translated6,
@@ -41,7 +41,8 @@ fn main() {
         r.icmp_translated,
         r.icmp_translated6,
         r.must_translate,
-        r.must_translate6
+        r.must_translate6,
+        r.clashes
     );
     for (program, why, frame) in &r.violations {
         println!("  {program}: {why}\n    frame {frame}");
