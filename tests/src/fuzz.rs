@@ -747,8 +747,7 @@ pub fn run(packets: u64, seed: u64) -> Report {
                 p,
                 &input,
                 iv.as_ref(),
-                verdict,
-                clash,
+                (verdict, clash),
                 &out,
                 &mut report,
             ) {
@@ -786,8 +785,8 @@ fn check(
     p: Program,
     input: &[u8],
     iv: Option<&View>,
-    verdict: u32,
-    clash: bool,
+    // The program's verdict, and whether it counted a tuple clash.
+    (verdict, clash): (u32, bool),
     out: &[u8],
     r: &mut Report,
 ) -> Result<(), String> {
