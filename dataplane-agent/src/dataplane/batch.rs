@@ -71,9 +71,11 @@ fn bytes_of<T: Pod>(v: &[T]) -> &[u8] {
 /// maps take concurrent writers on different buckets.
 pub const PARALLEL_MIN: usize = 16 * CHUNK;
 
-/// Threads a large update is split over.
+/// Threads a large update is split over (asked once: the answer reads
+/// cgroup files, which costs more than a small update).
 fn writers() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+    static WRITERS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *WRITERS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(4)))
 }
 
 /// Writes (creates or replaces) the entries given as packed key and value
@@ -92,10 +94,10 @@ pub fn update_raw(
 ) -> Result<usize, (usize, io::Error)> {
     let count = keys.len().checked_div(key_size).unwrap_or(0);
     assert_eq!(values.len(), count * value_size, "one value per key");
-    let threads = writers();
-    if count < PARALLEL_MIN || threads < 2 {
+    if count < PARALLEL_MIN || writers() < 2 {
         return update_serial(fd, key_size, value_size, keys, values);
     }
+    let threads = writers();
     let per = count.div_ceil(threads);
     let results: Vec<Result<usize, (usize, io::Error)>> = std::thread::scope(|scope| {
         let parts: Vec<_> = (0..count)
