@@ -26,6 +26,7 @@ use crate::{
     csum,
     family::Family,
     parse::{Pkt, ip, l4},
+    unaligned,
 };
 
 /// Which half of the tuple a hook rewrites: destinations where packets
@@ -137,7 +138,7 @@ pub fn ptr_at<C: Ctx, T>(ctx: &C, offset: usize) -> Option<*mut T> {
 #[inline(always)]
 pub fn load<C: Ctx, T: Copy>(ctx: &C, offset: usize) -> Option<T> {
     // SAFETY: bounds checked by ptr_at; an unaligned read of plain bytes.
-    ptr_at::<C, T>(ctx, offset).map(|p| unsafe { p.read_unaligned() })
+    ptr_at::<C, T>(ctx, offset).map(|p| unsafe { unaligned::read(p) })
 }
 
 impl Ctx for XdpContext {
@@ -180,14 +181,16 @@ impl Ctx for XdpContext {
             // SAFETY: all pointers are inside the frame (checked above).
             unsafe {
                 if F::IP_CHECKSUM {
-                    ip_check
-                        .write_unaligned(csum::apply(ip_check.read_unaligned(), old_addr.csum_diff(&addr)));
+                    unaligned::write(
+                        ip_check,
+                        csum::apply(unaligned::read(ip_check), old_addr.csum_diff(&addr)),
+                    );
                 }
-                addr_ptr.write_unaligned(addr);
+                unaligned::write(addr_ptr, addr);
                 if old_port != port {
                     let delta = sctp_delta(sctp_len, port_off as u32, old_port, port);
-                    crc_ptr.write_unaligned(sctp::rewritten_crc(crc_ptr.read_unaligned(), delta));
-                    ((l4h + port_off) as *mut u16).write_unaligned(port);
+                    unaligned::write(crc_ptr, sctp::rewritten_crc(unaligned::read(crc_ptr), delta));
+                    unaligned::write((l4h + port_off) as *mut u16, port);
                 }
             }
             return Some(());
@@ -202,19 +205,19 @@ impl Ctx for XdpContext {
         // unaligned stores of header fields.
         unsafe {
             if F::IP_CHECKSUM {
-                ip_check.write_unaligned(csum::apply(ip_check.read_unaligned(), addr_diff));
+                unaligned::write(ip_check, csum::apply(unaligned::read(ip_check), addr_diff));
             }
-            addr_ptr.write_unaligned(addr);
-            let old = l4_check.read_unaligned();
+            unaligned::write(addr_ptr, addr);
+            let old = unaligned::read(l4_check);
             // A zero UDP checksum means "none" (IPv4): it stays zero.
             if !(t.proto == proto::UDP && old == 0) {
                 let mut new = csum::apply(old, addr_diff + csum::diff16(old_port, port));
                 if t.proto == proto::UDP && new == 0 {
                     new = 0xffff;
                 }
-                l4_check.write_unaligned(new);
+                unaligned::write(l4_check, new);
             }
-            ((l4h + port_off) as *mut u16).write_unaligned(port);
+            unaligned::write((l4h + port_off) as *mut u16, port);
         }
         Some(())
     }
@@ -223,7 +226,7 @@ impl Ctx for XdpContext {
     fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()> {
         let p = ptr_at::<_, T>(self, offset)?;
         // SAFETY: bounds checked by ptr_at.
-        unsafe { p.write_unaligned(*value) };
+        unsafe { unaligned::write(p, *value) };
         Some(())
     }
 

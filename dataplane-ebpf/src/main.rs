@@ -1,6 +1,8 @@
 //! Entry points of the kernel programs. Only thin wrappers live here: each one
 //! calls the real function, counts what happened, and returns its verdict.
 #![no_std]
+// Inline assembly for single-instruction packet accesses (`unaligned`).
+#![feature(asm_experimental_arch)]
 #![no_main]
 // Map keys and values are passed by reference on purpose: by value they
 // would be copied onto the 512-byte BPF stack first.
@@ -20,6 +22,7 @@ mod path;
 mod snat;
 mod sock;
 mod stats;
+mod unaligned;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},
