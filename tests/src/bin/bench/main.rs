@@ -91,6 +91,12 @@ fn main() {
         print!("{md}");
         return;
     }
+    if only.as_deref() == Some("protocols") {
+        let mut md = String::new();
+        protocols::render(&mut md, &protocols::measure());
+        print!("{md}");
+        return;
+    }
     let mut rows = Vec::new();
     for &n in &sizes {
         eprintln!("bench: {n} services: programming the maps");
