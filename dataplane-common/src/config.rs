@@ -158,6 +158,10 @@ pub mod config_flags {
     /// The address filters (`DP_ADDR_FILTER_V2`) are written: a clear bit
     /// may be trusted. Until then every address passes the filter.
     pub const FILTER_READY: u32 = 1 << 3;
+    /// Host routing: packets the TC ingress paths translated go straight to
+    /// the device the kernel's FIB names for their new destination,
+    /// skipping the node's IP stack (see `dataplane-ebpf/src/route.rs`).
+    pub const HOST_ROUTING: u32 = 1 << 4;
 }
 
 impl DpConfig {

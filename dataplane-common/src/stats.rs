@@ -196,16 +196,20 @@ pub enum FlowStat {
     /// the same backend (through another frontend) gave its tuple up to a
     /// new flow.
     TupleTakeover = 5,
+    /// Packets sent by host routing straight to the device of their route
+    /// (counted per packet, not per flow).
+    HostRouted = 6,
 }
 
 impl FlowStat {
-    pub const ALL: [FlowStat; 6] = [
+    pub const ALL: [FlowStat; 7] = [
         FlowStat::SnatHashed,
         FlowStat::SnatFallback,
         FlowStat::SnatTakeover,
         FlowStat::Reopened,
         FlowStat::SnatPortsBusy,
         FlowStat::TupleTakeover,
+        FlowStat::HostRouted,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -216,6 +220,7 @@ impl FlowStat {
             FlowStat::Reopened => "reopened_closed_flow",
             FlowStat::SnatPortsBusy => "snat_ports_busy",
             FlowStat::TupleTakeover => "tuple_takeover",
+            FlowStat::HostRouted => "host_routed",
         }
     }
 }

@@ -66,6 +66,10 @@ pub trait Ctx {
     /// Stores `value` at `offset`; the caller keeps the checksums right.
     fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()>;
 
+    /// Host routing: sends a translated packet straight to its route's
+    /// device (see `route`); `None` leaves it to the stack. XDP does not.
+    fn route(&self) -> Option<Self::Verdict>;
+
     /// Replaces the packet by an L2 header with swapped MAC addresses (tags
     /// kept) followed by `l3_frame`, and sends it back out of the device it
     /// came in on. `l3` is the L2 header's length.
@@ -223,6 +227,11 @@ impl Ctx for XdpContext {
     }
 
     #[inline(always)]
+    fn route(&self) -> Option<u32> {
+        None
+    }
+
+    #[inline(always)]
     fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()> {
         let p = ptr_at::<_, T>(self, offset)?;
         // SAFETY: bounds checked by ptr_at.
@@ -335,6 +344,11 @@ impl Ctx for TcContext {
             TcContext::store(self, pkt.l4 + port_off, &port, 0).ok()?;
         }
         Some(())
+    }
+
+    #[inline(always)]
+    fn route(&self) -> Option<i32> {
+        crate::route::tc(self)
     }
 
     #[inline(always)]

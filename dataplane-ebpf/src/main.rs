@@ -19,6 +19,7 @@ mod lb;
 mod maps;
 mod parse;
 mod path;
+mod route;
 mod snat;
 mod sock;
 mod stats;

@@ -39,6 +39,8 @@ pub mod eth {
     use super::*;
     pub const HLEN: usize = EthHdr::LEN;
     pub const ETHERTYPE: usize = offset_of!(EthHdr, ether_type);
+    pub const DST: usize = offset_of!(EthHdr, dst_addr);
+    pub const SRC: usize = offset_of!(EthHdr, src_addr);
     /// A VLAN tag's length, and where its inner ethertype sits in it.
     pub const VLAN_HLEN: usize = size_of::<VlanHdr>();
     pub const VLAN_ETHERTYPE: usize = offset_of!(VlanHdr, ether_type);
@@ -63,6 +65,7 @@ pub mod ip6 {
     pub const HLEN: usize = Ipv6Hdr::LEN;
     pub const PAYLOAD_LEN: usize = offset_of!(Ipv6Hdr, payload_len);
     pub const NEXT_HDR: usize = offset_of!(Ipv6Hdr, next_hdr);
+    pub const HOP_LIMIT: usize = offset_of!(Ipv6Hdr, hop_limit);
     pub const SADDR: usize = offset_of!(Ipv6Hdr, src_addr);
     pub const DADDR: usize = offset_of!(Ipv6Hdr, dst_addr);
     /// Extension headers: hop-by-hop options, routing, fragment,

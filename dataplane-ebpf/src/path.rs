@@ -85,7 +85,7 @@ impl Step {
 /// Runs the rest of a step from the entry point, counts the outcome and
 /// returns the verdict.
 #[inline(always)]
-fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step) -> C::Verdict {
+fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool) -> C::Verdict {
     let len = ctx.packet_len() as u64;
     // A new flow's decision is a subprogram of its own, called from here:
     // its stack and the lookup path's do not add up.
@@ -122,6 +122,17 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step) -> C::Verdict
         _ => (C::Verdict::from_packed(step.0), step.event()),
     };
     stats::count_raw(hook, event, len);
+    // Host routing: a packet translated on its way in (DNAT, or un-SNAT of
+    // a reply) goes straight to its route's device.
+    if ingress
+        && cfg.flags & config_flags::HOST_ROUTING != 0
+        && (event == Event::NewFlow as u32
+            || event == Event::Established as u32
+            || event == Event::Reply as u32)
+        && let Some(v) = ctx.route()
+    {
+        return v;
+    }
     verdict
 }
 
@@ -150,7 +161,7 @@ fn unparsed<C: Ctx>(p: Parsed) -> Step {
 #[inline(always)]
 pub fn ingress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
     match config() {
-        Some(cfg) => finish(ctx, cfg, hook, ingress_inner(ctx, cfg)),
+        Some(cfg) => finish(ctx, cfg, hook, ingress_inner(ctx, cfg), true),
         None => unconfigured(ctx, hook),
     }
 }
@@ -291,7 +302,7 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Ste
 #[inline(always)]
 pub fn egress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
     match config() {
-        Some(cfg) => finish(ctx, cfg, hook, egress_inner(ctx, cfg)),
+        Some(cfg) => finish(ctx, cfg, hook, egress_inner(ctx, cfg), false),
         None => unconfigured(ctx, hook),
     }
 }

@@ -19,6 +19,31 @@ where
     try_run(prog, input, repeat).expect("BPF_PROG_TEST_RUN")
 }
 
+/// Runs a TC program once on `input` as if it came in on device `ifindex`
+/// of the calling thread's network namespace (`__sk_buff.ifindex`, which the
+/// kernel resolves there: helpers such as `bpf_fib_lookup` answer from that
+/// namespace). Returns the verdict and the output frame.
+pub fn run_on_device<P>(prog: &P, input: &[u8], ifindex: u32) -> (u32, Vec<u8>)
+where
+    P: for<'a> TestRun<Opts<'a> = TestRunOptions<'a>, Result = TestRunResult>,
+{
+    // `struct __sk_buff` up to `ifindex` (offset 40); the rest is zero.
+    let mut ctx = [0u8; 44];
+    ctx[40..44].copy_from_slice(&ifindex.to_ne_bytes());
+    let mut out = vec![0u8; input.len() + 512];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx),
+            repeat: 1,
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("test run on ifindex {ifindex}: {e}"));
+    out.truncate(r.data_size_out as usize);
+    (r.return_value, out)
+}
+
 /// As [`run`], returning the kernel's error instead of panicking.
 pub fn try_run<P>(
     prog: &P,
@@ -58,6 +83,16 @@ pub fn fixture_datapath_dual(
 }
 
 fn fixture_datapath_with(node_ips: &[std::net::IpAddr], services: &[TestService]) -> Datapath {
+    fixture_datapath_configured(node_ips, services, |_| {})
+}
+
+/// As [`fixture_datapath_dual`] for any node addresses, with the config
+/// changed by `configure` before it is written.
+pub fn fixture_datapath_configured(
+    node_ips: &[std::net::IpAddr],
+    services: &[TestService],
+    configure: impl FnOnce(&mut DatapathConfig),
+) -> Datapath {
     crate::require_privileges();
     let opts = LoadOptions {
         max_services: 64,
@@ -79,6 +114,7 @@ fn fixture_datapath_with(node_ips: &[std::net::IpAddr], services: &[TestService]
             crate::services::SERVICE_CIDR6.parse().unwrap(),
         ],
     );
+    configure(&mut config);
     dp.maps_mut().set_config(&config).unwrap();
     let ports: Vec<_> = services.iter().map(|s| (s.id, s.for_node(0))).collect();
     let ctx = NodeContext {

@@ -112,13 +112,8 @@ struct Sandbox {
 
 impl Sandbox {
     /// Pods "client" and "a" on node1, "b" on node2, echo servers on all
-    /// three, an agent per node with no `--pod-interfaces` and connect-time
-    /// translation on the node's cgroup.
-    fn new(layout: PodLayout) -> Self {
-        Self::with_args(layout, &[])
-    }
-
-    /// As `new`, with more agent flags.
+    /// three, an agent per node with no `--pod-interfaces`, connect-time
+    /// translation on the node's cgroup, and `extra` flags.
     fn with_args(layout: PodLayout, extra: &[&str]) -> Self {
         let mut cluster = Cluster::with_layout(Wiring::VethNode, layout);
         for (name, node) in [("client", 0), ("a", 0), ("b", 1)] {
@@ -209,13 +204,46 @@ impl Sandbox {
         self.inspect("stats")
     }
 
+    /// One of node1's flow counters (`inspect -o json stats`).
+    fn flow_stat(&self, name: &str) -> u64 {
+        let stats: serde_json::Value = serde_json::from_str(&self.inspect_args(&["-o", "json", "stats"]))
+            .unwrap_or_else(|e| panic!("inspect stats: {e}"));
+        stats["flows"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no flows in {stats}"))
+            .iter()
+            .find(|f| f["stat"] == name)
+            .and_then(|f| f["count"].as_u64())
+            .unwrap_or_else(|| panic!("no {name} in {stats}"))
+    }
+
+    /// node1's packets translated where they entered (DNAT, un-SNAT).
+    fn ingress_translated(&self) -> u64 {
+        let stats: serde_json::Value = serde_json::from_str(&self.inspect_args(&["-o", "json", "stats"]))
+            .unwrap_or_else(|e| panic!("inspect stats: {e}"));
+        stats["events"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no events in {stats}"))
+            .iter()
+            .filter(|e| {
+                ["tc_ingress", "tc_pod_ingress"].contains(&e["hook"].as_str().unwrap_or(""))
+                    && ["new_flow", "established", "reply"].contains(&e["event"].as_str().unwrap_or(""))
+            })
+            .map(|e| e["packets"].as_u64().unwrap_or(0))
+            .sum()
+    }
+
     /// node1's `inspect <what>`, for failure messages.
     fn inspect(&self, what: &str) -> String {
+        self.inspect_args(&[what])
+    }
+
+    fn inspect_args(&self, args: &[&str]) -> String {
         let out = std::process::Command::new(BIN)
             .arg("inspect")
             .arg("--bpffs-dir")
             .arg(self.cluster.bpffs.path().join("node1"))
-            .arg(what)
+            .args(args)
             .output()
             .expect("run inspect");
         String::from_utf8_lossy(&out.stdout).into_owned()
@@ -231,8 +259,12 @@ fn pairs(v: &[(&str, Ipv4Addr)]) -> BTreeSet<(String, std::net::IpAddr)> {
     v.iter().map(|(s, ip)| (s.to_string(), (*ip).into())).collect()
 }
 
-fn every_service_path_works(layout: PodLayout) {
-    let s = Sandbox::new(layout);
+fn every_service_path_works(layout: PodLayout) -> Sandbox {
+    every_service_path_works_with(layout, &[])
+}
+
+fn every_service_path_works_with(layout: PodLayout, extra: &[&str]) -> Sandbox {
+    let s = Sandbox::with_args(layout, extra);
     let node1 = s.cluster.nodes[0].ip();
     let client_pod = s.ip("client");
 
@@ -435,16 +467,37 @@ fn every_service_path_works(layout: PodLayout) {
     let (_, body) =
         AgentProcess::http_get(n2.ns(), SocketAddrV4::new(n2.ip(), HEALTH_PORT), "/healthz").unwrap();
     assert!(!body.contains("unreachable"), "{body}");
+    s
 }
 
 #[test]
 fn routed_cni_with_unusual_interface_names() {
-    every_service_path_works(PodLayout::RoutedUnusualNames);
+    let s = every_service_path_works(PodLayout::RoutedUnusualNames);
+    assert_eq!(s.flow_stat("host_routed"), 0, "host routing is opt-in");
 }
 
 #[test]
 fn bridge_cni() {
     every_service_path_works(PodLayout::Bridge);
+}
+
+/// Host routing: every path works as through the stack, and the translated
+/// packets went straight to their route's device (the pod's interface, the
+/// bridge, the node's uplink).
+#[test]
+fn host_routing_serves_every_path() {
+    for layout in [PodLayout::RoutedUnusualNames, PodLayout::Bridge] {
+        let s = every_service_path_works_with(layout, &["--host-routing"]);
+        // Every packet translated on its way in, but for the few that met
+        // an unresolved neighbour or a local destination.
+        let translated = s.ingress_translated();
+        let routed = s.flow_stat("host_routed");
+        assert!(
+            routed <= translated && routed * 10 >= translated * 9,
+            "{layout:?}: {routed} of {translated} routed\n{}",
+            s.stats()
+        );
+    }
 }
 
 /// The old default patterns on a CNI whose names they miss: nothing is

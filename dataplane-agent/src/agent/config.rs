@@ -101,6 +101,7 @@ pub struct ConfigFile {
     pub conntrack_entries: Option<u32>,
     pub cgroup_path: Option<String>,
     pub socket_lb_host_only: Option<bool>,
+    pub host_routing: Option<bool>,
     pub xdp_mode: Option<String>,
     /// LoadBalancer address allocation and L2 announcements.
     pub load_balancer: Option<crate::lb::config::LbConfigFile>,
@@ -144,6 +145,8 @@ pub struct RunConfig {
     /// says so.
     pub cgroup_missing: bool,
     pub socket_lb_host_only: bool,
+    /// Translated packets skip the node's IP stack (TC paths).
+    pub host_routing: bool,
     /// Where the north-south ingress path runs on external devices.
     pub xdp_mode: XdpMode,
     /// LoadBalancer address allocation and L2 announcements.

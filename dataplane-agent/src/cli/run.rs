@@ -105,6 +105,11 @@ pub struct RunArgs {
     /// redirect per packet).
     #[arg(long)]
     pub socket_lb_host_only: bool,
+    /// Host routing: packets translated where they enter the node (TC
+    /// paths) go straight to the device of their route, skipping the node's
+    /// IP stack, netfilter's FORWARD chain included (docs/datapath.md).
+    #[arg(long)]
+    pub host_routing: bool,
     /// Where the north-south ingress path runs on external devices: `auto`
     /// (native XDP on physical devices whose driver has it, TC on veth and
     /// other virtual devices), `native` (XDP or fail) or `off` (TC).
@@ -243,6 +248,7 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
             },
             cgroup_missing: cgroup_setting.is_none() && cgroup2_root.is_none(),
             socket_lb_host_only: args.socket_lb_host_only || file.socket_lb_host_only.unwrap_or(false),
+            host_routing: args.host_routing || file.host_routing.unwrap_or(false),
             xdp_mode: match (args.xdp_mode, file.xdp_mode) {
                 (Some(m), _) => m,
                 (None, Some(m)) => m.parse().map_err(|e| parse_err("xdpMode", e))?,

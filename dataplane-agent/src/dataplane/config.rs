@@ -31,6 +31,9 @@ pub struct DatapathConfig {
     /// Connect-time translation only for sockets in this network namespace
     /// (the node's); pods keep per-packet translation.
     pub socket_lb_host_only: bool,
+    /// Packets translated by the TC ingress paths go straight to the device
+    /// of their route ([`config_flags::HOST_ROUTING`]).
+    pub host_routing: bool,
     /// The node's network namespace cookie (this process's, by default).
     pub host_netns_cookie: u64,
 }
@@ -125,6 +128,7 @@ impl DatapathConfig {
             snat_ports: DpConfig::DEFAULT_SNAT_PORTS,
             timeouts: CtTimeouts::default(),
             socket_lb_host_only: false,
+            host_routing: false,
             host_netns_cookie: current_netns_cookie(),
         }
     }
@@ -165,6 +169,9 @@ impl DatapathConfig {
         }
         if self.socket_lb_host_only {
             flags |= config_flags::SOCKET_LB_HOST_ONLY;
+        }
+        if self.host_routing {
+            flags |= config_flags::HOST_ROUTING;
         }
         let snat_hash_seed = if previous.flags & config_flags::CONFIGURED != 0 {
             previous.snat_hash_seed

@@ -62,6 +62,8 @@ pub enum Variant {
     Masqueraded,
     /// The same in native XDP (the sandbox's veth peers run XDP).
     MasqueradedXdp,
+    /// The same in TC with host routing (`--host-routing`).
+    MasqueradedHostRouting,
     /// Client → NodePort of an eTP=Local Service: no SNAT.
     LocalNodePort,
     /// Client → pod IP with the datapath attached: non-service traffic.
@@ -74,6 +76,8 @@ pub enum Variant {
     PodDirect,
     /// A pod → a ClusterIP with its endpoint on the same node.
     PodClusterIp,
+    /// The same with host routing.
+    PodClusterIpHostRouting,
 }
 
 impl Variant {
@@ -82,12 +86,14 @@ impl Variant {
             Variant::Direct => "direct to the pod",
             Variant::Masqueraded => "ours: ClusterIP from outside (masqueraded), TC",
             Variant::MasqueradedXdp => "ours: ClusterIP from outside (masqueraded), native XDP",
+            Variant::MasqueradedHostRouting => "ours: ClusterIP from outside (masqueraded), TC, host routing",
             Variant::LocalNodePort => "ours: eTP=Local NodePort (no SNAT)",
             Variant::NonService => "ours attached: non-service traffic (direct to the pod)",
             Variant::Nftables => "kube-proxy nftables",
             Variant::IptablesLast => "kube-proxy iptables-legacy, Service last",
             Variant::PodDirect => "pod → pod direct",
             Variant::PodClusterIp => "ours: pod → ClusterIP",
+            Variant::PodClusterIpHostRouting => "ours: pod → ClusterIP, host routing",
         }
     }
 
@@ -101,7 +107,9 @@ impl Variant {
     /// The baseline a ratio is taken against.
     fn baseline(self) -> Variant {
         match self {
-            Variant::PodDirect | Variant::PodClusterIp => Variant::PodDirect,
+            Variant::PodDirect | Variant::PodClusterIp | Variant::PodClusterIpHostRouting => {
+                Variant::PodDirect
+            }
             _ => Variant::Direct,
         }
     }
@@ -411,6 +419,13 @@ fn once(case: Case, duration: Duration) -> Sample {
                 ipv6: true,
             };
             let mut dp = cluster.start_datapath_with(0, &opts, xdp);
+            if matches!(
+                variant,
+                Variant::MasqueradedHostRouting | Variant::PodClusterIpHostRouting
+            ) {
+                dp.config.host_routing = true;
+                dp.reconfigure();
+            }
             let mut measured = TestService::new(0, "measured", Protocol::Tcp, 80)
                 .cluster_ip(MEASURED_VIP)
                 .endpoint(TestEndpoint::ready(*eps[0].ip(), POD_PORT, 0))
@@ -431,7 +446,9 @@ fn once(case: Case, duration: Duration) -> Sample {
         }
     };
     let from = match variant {
-        Variant::PodDirect | Variant::PodClusterIp => cluster.pod("c").ns.name().to_owned(),
+        Variant::PodDirect | Variant::PodClusterIp | Variant::PodClusterIpHostRouting => {
+            cluster.pod("c").ns.name().to_owned()
+        }
         _ => cluster.client.ns.name().to_owned(),
     };
     // Warm-up: ARP, caches, first connections.
@@ -485,14 +502,17 @@ pub fn cases(quick: bool) -> Vec<Case> {
     v.extend([
         c(big, Variant::Masqueraded, Mode::Close),
         c(big, Variant::MasqueradedXdp, Mode::Close),
+        c(big, Variant::MasqueradedHostRouting, Mode::Close),
         c(big, Variant::LocalNodePort, Mode::Close),
         c(big, Variant::NonService, Mode::Close),
         c(big, Variant::Nftables, Mode::Close),
         c(big, Variant::IptablesLast, Mode::Close),
         c(1, Variant::PodDirect, Mode::Close),
         c(big, Variant::PodClusterIp, Mode::Close),
+        c(big, Variant::PodClusterIpHostRouting, Mode::Close),
         c(1, Variant::Direct, Mode::KeepAlive),
         c(big, Variant::Masqueraded, Mode::KeepAlive),
+        c(big, Variant::MasqueradedHostRouting, Mode::KeepAlive),
         c(big, Variant::Nftables, Mode::KeepAlive),
     ]);
     v
@@ -649,7 +669,8 @@ pub fn render(
         md,
         "\nGoals at {} Services (issue 11): new connections ≥ 0.95× direct: **{:.2}×**; ≥ 1.3× kube-proxy nftables: \
          **{:.2}×**; non-service traffic ≥ 0.98× direct: **{:.2}×**; keep-alive ≥ 0.98× direct: **{:.2}×**; \
-         native XDP vs TC on veth for the same load: {:.2}×.",
+         native XDP vs TC on veth for the same load: {:.2}×. With host routing (`--host-routing`): new connections \
+         **{:.2}×** direct, **{:.2}×** nftables; keep-alive **{:.2}×** direct; pod → ClusterIP {:.2}× pod → pod.",
         masq.map_or(0, |r| r.case.services),
         ratio(masq, direct),
         ratio(masq, find(Variant::Nftables, Mode::Close)),
@@ -659,6 +680,19 @@ pub fn render(
             find(Variant::Direct, Mode::KeepAlive)
         ),
         ratio(find(Variant::MasqueradedXdp, Mode::Close), masq),
+        ratio(find(Variant::MasqueradedHostRouting, Mode::Close), direct),
+        ratio(
+            find(Variant::MasqueradedHostRouting, Mode::Close),
+            find(Variant::Nftables, Mode::Close)
+        ),
+        ratio(
+            find(Variant::MasqueradedHostRouting, Mode::KeepAlive),
+            find(Variant::Direct, Mode::KeepAlive)
+        ),
+        ratio(
+            find(Variant::PodClusterIpHostRouting, Mode::Close),
+            find(Variant::PodDirect, Mode::Close)
+        ),
     );
     if let (Some(d), Some(s)) = (direct, sustained.first()) {
         let (busy, kernel) = d.cpus.first().copied().unwrap_or_default();
