@@ -62,7 +62,8 @@ impl<A: Addr> CtKey<A> {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtEntry<A> {
-    /// `bpf_ktime_get_coarse_ns` when a packet of the flow last used it
+    /// The datapath clock (monotonic ns at tick resolution, see the
+    /// eBPF side's `ct::now`) when a packet of the flow last used it
     /// (refreshed at most once per second, on both of the flow's state
     /// entries at once).
     pub last_seen_ns: u64,

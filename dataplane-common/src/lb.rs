@@ -131,7 +131,7 @@ crate::assert_layout!(Lb6AffinityKey, 20, 4);
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Lb4AffinityValue {
-    /// `bpf_ktime_get_coarse_ns` of the last new flow that used it.
+    /// The datapath clock (`ct::now`) of the last new flow that used it.
     pub last_used_ns: u64,
     pub backend_id: u32,
     /// Slot the backend had when chosen: a still-valid affinity must find

@@ -4,7 +4,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_ANY, BPF_NOEXIST},
-    helpers::bpf_ktime_get_coarse_ns,
+    helpers::{bpf_jiffies64, bpf_ktime_get_coarse_ns},
 };
 use dataplane_common::{
     addr::Addr,
@@ -23,12 +23,43 @@ use crate::{
 
 const NS_PER_S: u64 = 1_000_000_000;
 
-/// Coarse monotonic time (jiffies resolution): timeouts are seconds, and the
-/// precise clock costs ~20 ns per packet in a VM.
-#[inline(always)]
+/// Nanoseconds per jiffy (10^9 / the kernel's HZ), set by the agent at load
+/// time; 0 when it could not tell HZ (see the agent's `dataplane::clock`).
+/// In `.rodata`: frozen before the programs load, so the verifier knows the
+/// value and drops the branch `now` does not take.
+#[unsafe(no_mangle)]
+static JIFFY_NS: u64 = 0;
+/// CLOCK_MONOTONIC minus `jiffies * JIFFY_NS` when the agent loaded the
+/// programs (wrapping): makes `now` the monotonic clock at tick resolution.
+#[unsafe(no_mangle)]
+static JIFFIES_OFFSET_NS: u64 = 0;
+
+/// Monotonic time in ns at tick resolution: timeouts are seconds. Read from
+/// jiffies (`bpf_jiffies64`, which the verifier inlines: one load), else
+/// from `bpf_ktime_get_coarse_ns` (a helper call: about a tenth of an
+/// established packet's time in a profile). The two agree to within a few ticks,
+/// so entries written by programs on either clock stay valid across a
+/// restart; ages are taken with saturating subtractions for that skew.
+///
+/// A subprogram (no stack of its own; the call costs a few instructions):
+/// inlined into the paths, its two constants stay live in registers the
+/// largest frames need.
+#[inline(never)]
 pub fn now() -> u64 {
-    // SAFETY: helper without arguments.
-    unsafe { bpf_ktime_get_coarse_ns() }
+    // SAFETY: reads of load-time constants.
+    let (tick, offset) = unsafe {
+        (
+            core::ptr::read_volatile(&JIFFY_NS),
+            core::ptr::read_volatile(&JIFFIES_OFFSET_NS),
+        )
+    };
+    if tick != 0 {
+        // SAFETY: helper without arguments.
+        unsafe { bpf_jiffies64() }.wrapping_mul(tick).wrapping_add(offset)
+    } else {
+        // SAFETY: helper without arguments.
+        unsafe { bpf_ktime_get_coarse_ns() }
+    }
 }
 
 /// Idle timeout of an entry in its flow's current state.
@@ -55,7 +86,7 @@ fn timeout_ns<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>) -> u64 {
 
 #[inline(always)]
 pub fn expired<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>, now: u64) -> bool {
-    now.wrapping_sub(e.last_seen_ns) > timeout_ns(cfg, proto, e)
+    now.saturating_sub(e.last_seen_ns) > timeout_ns(cfg, proto, e)
 }
 
 /// Whether a new flow may take the entry's tuple over: it expired, or its
@@ -90,7 +121,7 @@ pub fn touch<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp_
     let (last, flags, replied) = unsafe { ((*e).last_seen_ns, (*e).flags, (*e).state[state::REPLIED]) };
     let teardown = key.proto == proto::TCP && tcp_flags & (TCP_FIN | TCP_RST) != 0;
     let first_reply = flags & ct_flags::ROLE_MASK != ct_flags::FWD_IN && replied == 0;
-    if teardown || first_reply || now.wrapping_sub(last) > NS_PER_S {
+    if teardown || first_reply || now.saturating_sub(last) > NS_PER_S {
         touch_flow::<F>(key, e, now, tcp_flags);
     }
 }
@@ -122,7 +153,7 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
         | ((facts[1] > s.a.state[1]) as u8) << 1
         | ((facts[2] > s.a.state[2]) as u8) << 2
         | ((facts[3] > s.a.state[3]) as u8) << 3;
-    let refresh = now.wrapping_sub(s.a.last_seen_ns) > NS_PER_S;
+    let refresh = now.saturating_sub(s.a.last_seen_ns) > NS_PER_S;
     if news == 0 && !refresh {
         return;
     }

@@ -68,7 +68,7 @@ pub fn select<F: Family>(
     if affinity && let Some(a) = F::affinity().get_ptr_mut(&akey) {
         // SAFETY: map value pointer.
         let (last, id, slot) = unsafe { ((*a).last_used_ns, (*a).backend_id, (*a).slot) };
-        let fresh = now.wrapping_sub(last) <= svc.affinity_timeout_s as u64 * 1_000_000_000;
+        let fresh = now.saturating_sub(last) <= svc.affinity_timeout_s as u64 * 1_000_000_000;
         if fresh
             && slot >= 1
             && slot <= count

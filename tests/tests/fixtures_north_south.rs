@@ -6,7 +6,10 @@
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 
-use dataplane_agent::{dataplane::Datapath, net::Protocol};
+use dataplane_agent::{
+    dataplane::{Clock, Datapath},
+    net::Protocol,
+};
 use dataplane_common::{
     names,
     stats::{Event, FlowStat},
@@ -331,6 +334,44 @@ fn established_flow_and_replies_follow_conntrack() {
         o.src_addr(),
         sa(REMOTE_POD, 8080),
         "the source is restored at egress (tc_egress)"
+    );
+}
+
+/// Entries are stamped with the monotonic clock read from jiffies (the
+/// agent tells HZ from /proc/timer_list): within a second of
+/// CLOCK_MONOTONIC, so that entries stamped by programs on the coarse ktime
+/// clock (before an upgrade, or where HZ is unknown) keep their ages.
+#[test]
+fn entries_are_stamped_with_the_monotonic_clock() {
+    let dp = datapath();
+    assert!(
+        matches!(dp.clock(), Clock::Jiffies { .. }),
+        "this kernel's HZ was not told: {:?}",
+        dp.clock()
+    );
+    let monotonic = || {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: writes the local timespec.
+        assert_eq!(unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) }, 0);
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    };
+    let before = monotonic();
+    let client = sa(CLIENT, 41500);
+    let (v, _) = run(&dp, &Frame::tcp(client, sa(NODE, 30080), TCP_SYN).build());
+    assert_eq!(v, XDP_PASS);
+    let after = monotonic();
+    let ct = dp.maps().conntrack().unwrap();
+    let (_, fwd) = ct
+        .iter()
+        .find(|(k, _)| k.saddr == u32::from(CLIENT).to_be() && k.sport == 41500u16.to_be())
+        .expect("forward entry");
+    let stamp = fwd.last_seen_ns;
+    assert!(
+        stamp + 1_000_000_000 >= before && stamp <= after + 1_000_000_000,
+        "stamp {stamp} ns, CLOCK_MONOTONIC {before}..{after} ns"
     );
 }
 

@@ -8,6 +8,7 @@
 //! the service table's types ([`crate::state::table`]) to the kernel ABI.
 
 pub mod batch;
+mod clock;
 mod config;
 pub mod device;
 pub mod family;
@@ -28,6 +29,7 @@ use aya::{
         xdp::XdpLink,
     },
 };
+pub use clock::Clock;
 pub use config::{DatapathConfig, current_netns_cookie};
 use dataplane_common::{limits, names};
 pub use family::{AbiAddr, FamilyMaps};
@@ -154,6 +156,8 @@ pub struct Datapath {
     lock: Option<PinLock>,
     /// Maps resized at load, whose old copies go once the new programs run.
     resized: Vec<Resize>,
+    /// The clock the programs stamp entries with.
+    clock: Clock,
 }
 
 /// Where the north-south ingress path runs on external devices.
@@ -291,6 +295,11 @@ impl Datapath {
         Ok(out)
     }
 
+    /// The clock the programs stamp conntrack and affinity entries with.
+    pub fn clock(&self) -> Clock {
+        self.clock
+    }
+
     /// Whether this process still owns an intact pin directory (false once
     /// `cleanup --force` removed it under the running agent).
     pub fn pins_intact(&self) -> bool {
@@ -303,7 +312,19 @@ impl Datapath {
             None => Vec::new(),
         };
         let v6 = |n: u32| if opts.ipv6 { n } else { 1 };
+        // Told once per process: the offset it measures holds for the
+        // process's life.
+        static CLOCK: std::sync::OnceLock<Clock> = std::sync::OnceLock::new();
+        let clock = *CLOCK.get_or_init(|| {
+            let c = Clock::detect();
+            tracing::info!(clock = %c.describe(), "datapath clock");
+            c
+        });
+        let (jiffy_ns, jiffies_offset_ns) = clock.constants();
         let mut loader = EbpfLoader::new();
+        loader
+            .override_global("JIFFY_NS", &jiffy_ns, true)
+            .override_global("JIFFIES_OFFSET_NS", &jiffies_offset_ns, true);
         for (name, path) in &map_paths {
             loader.map_pin_path(name, path.as_path());
         }
@@ -383,6 +404,7 @@ impl Datapath {
             pins,
             lock: None,
             resized: Vec::new(),
+            clock,
         })
     }
 

@@ -97,6 +97,11 @@ impl Variant {
         }
     }
 
+    /// Whether `name` (the variant's name in lowercase) names it.
+    pub fn is(self, name: &str) -> bool {
+        format!("{self:?}").eq_ignore_ascii_case(name)
+    }
+
     fn ours(self) -> bool {
         !matches!(
             self,
@@ -455,7 +460,23 @@ fn once(case: Case, duration: Duration) -> Sample {
     let server = servers[0].child.id();
     let _ = wrk(&from, dst, mode, Duration::from_secs(1), server);
     let before = node.as_ref().map(counters);
+    // DP_BENCH_PERF=DIR: a system-wide profile of each measured run, in
+    // DIR/<variant>-<mode>.data (for finding where a path's time goes).
+    let perf = std::env::var_os("DP_BENCH_PERF").map(|dir| {
+        let out = PathBuf::from(dir).join(format!("{variant:?}-{mode:?}.data"));
+        Command::new("perf")
+            .args(["record", "-a", "-g", "-q", "-o"])
+            .arg(out)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("perf")
+    });
     let mut s = wrk(&from, dst, mode, duration, server);
+    if let Some(mut p) = perf {
+        // SAFETY: signals our own child.
+        unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
+        let _ = p.wait();
+    }
     if let (Some(dp), Some(before)) = (&node, before) {
         let after = counters(dp);
         s.drops = after.0 - before.0;

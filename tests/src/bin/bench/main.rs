@@ -77,8 +77,22 @@ fn main() {
         return;
     }
     if only.as_deref() == Some("e2e") {
-        let rows = e2e::run(&e2e::cases(quick), e2e_rounds, e2e_duration);
-        let sustained = e2e::sustained(sustained_duration, if quick { 1_000 } else { 10_000 });
+        // `--variants a,b`: only these variants (names as in `e2e::Variant`,
+        // lowercase), without the sustained pair: for profiling one path.
+        let pick = std::env::args().skip_while(|a| a != "--variants").nth(1);
+        let cases = e2e::cases(quick)
+            .into_iter()
+            .filter(|c| {
+                pick.as_deref()
+                    .is_none_or(|p| p.split(',').any(|v| c.variant.is(v)))
+            })
+            .collect::<Vec<_>>();
+        let rows = e2e::run(&cases, e2e_rounds, e2e_duration);
+        let sustained = if pick.is_some() {
+            Vec::new()
+        } else {
+            e2e::sustained(sustained_duration, if quick { 1_000 } else { 10_000 })
+        };
         let mut md = String::new();
         e2e::render(
             &mut md,

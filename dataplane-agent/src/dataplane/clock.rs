@@ -1,0 +1,231 @@
+//! The datapath's clock. Conntrack and affinity entries are stamped with a
+//! monotonic time in ns whose resolution only has to be a fraction of their
+//! one-second timeouts. `bpf_jiffies64()` is that clock at one load (the
+//! verifier inlines it), where `bpf_ktime_get_coarse_ns()` is a helper call
+//! that measured as a third of an established packet's time in a VM; but
+//! jiffies count ticks of the kernel's `CONFIG_HZ`, which no interface
+//! states. It is told here from `/proc/timer_list`, whose header gives
+//! CLOCK_MONOTONIC (`now at N nsecs`) and whose first CPU section gives
+//! `jiffies: J` a few microseconds later: jiffies start at
+//! `INITIAL_JIFFIES = 2^32 - 300 * HZ`, so for one HZ among the kernel's
+//! choices `(J - INITIAL_JIFFIES) / HZ` is N in seconds. Near 300 s of
+//! uptime every HZ fits (jiffies cross 2^32 then whatever HZ): two reads
+//! 200 ms apart tell HZ by the rate instead.
+//!
+//! The programs get `JIFFY_NS` (10^9 / HZ) and `JIFFIES_OFFSET_NS` (N - J *
+//! JIFFY_NS, wrapping) as load-time constants and compute `J * JIFFY_NS +
+//! offset`: the monotonic clock within a few ticks, so entries stamped by
+//! programs on either clock (an upgrade, a restart) keep their ages.
+//! Without `/proc/timer_list`, or when nothing fits, they keep
+//! `bpf_ktime_get_coarse_ns()`.
+
+use std::{
+    fs::File,
+    io::{BufRead, BufReader},
+    time::Duration,
+};
+
+/// The kernel's `CONFIG_HZ` choices (x86-64, arm64 and most others).
+const HZ_CHOICES: [u64; 4] = [100, 250, 300, 1000];
+const NS_PER_S: u64 = 1_000_000_000;
+const TIMER_LIST: &str = "/proc/timer_list";
+
+/// Which clock the programs read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Clock {
+    /// `bpf_jiffies64() * ns_per_jiffy + offset_ns`.
+    Jiffies { hz: u64, offset_ns: u64 },
+    /// `bpf_ktime_get_coarse_ns()`: HZ could not be told.
+    KtimeCoarse,
+}
+
+impl Clock {
+    /// Tells the kernel's HZ from `/proc/timer_list` (see the module docs).
+    pub fn detect() -> Self {
+        let Some(a) = sample() else {
+            return Clock::KtimeCoarse;
+        };
+        if let Some(c) = from_sample(a) {
+            return c;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        sample()
+            .and_then(|b| from_rate(a, b))
+            .unwrap_or(Clock::KtimeCoarse)
+    }
+
+    /// The programs' load-time constants: (`JIFFY_NS`, `JIFFIES_OFFSET_NS`),
+    /// (0, 0) for the coarse ktime clock.
+    pub fn constants(self) -> (u64, u64) {
+        match self {
+            Clock::Jiffies { hz, offset_ns } => (NS_PER_S / hz, offset_ns),
+            Clock::KtimeCoarse => (0, 0),
+        }
+    }
+
+    pub fn describe(self) -> String {
+        match self {
+            Clock::Jiffies { hz, .. } => format!("jiffies (HZ={hz})"),
+            Clock::KtimeCoarse => "bpf_ktime_get_coarse_ns (HZ unknown)".to_owned(),
+        }
+    }
+}
+
+/// (CLOCK_MONOTONIC in ns, jiffies) from one read of `/proc/timer_list`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Sample {
+    now_ns: u64,
+    jiffies: u64,
+}
+
+fn sample() -> Option<Sample> {
+    parse(
+        BufReader::new(File::open(TIMER_LIST).ok()?)
+            .lines()
+            .map_while(Result::ok),
+    )
+}
+
+/// Reads up to the first `jiffies:` line (the file lists every CPU's
+/// timers after it: it can be long on a large machine).
+fn parse(lines: impl Iterator<Item = String>) -> Option<Sample> {
+    let mut now_ns = None;
+    for line in lines {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("now at ") {
+            now_ns = rest.strip_suffix(" nsecs")?.trim().parse().ok();
+        } else if let Some(rest) = line.strip_prefix("jiffies:") {
+            return Some(Sample {
+                now_ns: now_ns?,
+                jiffies: rest.trim().parse().ok()?,
+            });
+        }
+    }
+    None
+}
+
+/// `INITIAL_JIFFIES` of a kernel with this HZ (64-bit jiffies).
+fn initial_jiffies(hz: u64) -> u64 {
+    (1u64 << 32) - 300 * hz
+}
+
+fn jiffies_clock(hz: u64, s: Sample) -> Clock {
+    Clock::Jiffies {
+        hz,
+        offset_ns: s.now_ns.wrapping_sub(s.jiffies.wrapping_mul(NS_PER_S / hz)),
+    }
+}
+
+/// The one HZ whose jiffies since boot match the uptime (within 0.1 % and
+/// a second: jiffies lag the monotonic clock by up to a tick, and drift
+/// from it by a few ppm), or `None` when several or none do.
+fn from_sample(s: Sample) -> Option<Clock> {
+    let mut fits = HZ_CHOICES.iter().copied().filter(|&hz| {
+        let Some(ticks) = s.jiffies.checked_sub(initial_jiffies(hz)) else {
+            return false;
+        };
+        let uptime_ns = ticks as u128 * (NS_PER_S / hz) as u128;
+        uptime_ns.abs_diff(s.now_ns as u128) <= (s.now_ns / 1000 + NS_PER_S) as u128
+    });
+    match (fits.next(), fits.next()) {
+        (Some(hz), None) => Some(jiffies_clock(hz, s)),
+        _ => None,
+    }
+}
+
+/// HZ from the rate of two samples: the choice within 10 % of it.
+fn from_rate(a: Sample, b: Sample) -> Option<Clock> {
+    let dt = b.now_ns.checked_sub(a.now_ns).filter(|d| *d >= NS_PER_S / 10)?;
+    let rate = (b.jiffies.checked_sub(a.jiffies)? as f64) * NS_PER_S as f64 / dt as f64;
+    HZ_CHOICES
+        .iter()
+        .copied()
+        .find(|&hz| (rate - hz as f64).abs() <= hz as f64 / 10.0)
+        .map(|hz| jiffies_clock(hz, b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(hz: u64, uptime_ns: u64) -> Sample {
+        Sample {
+            now_ns: uptime_ns,
+            jiffies: initial_jiffies(hz) + uptime_ns / (NS_PER_S / hz),
+        }
+    }
+
+    #[test]
+    fn parses_the_header_and_the_first_cpu() {
+        let text = "Timer List Version: v0.10\nHRTIMER_MAX_CLOCK_BASES: 8\nnow at 57495911557665 nsecs\n\n\
+                    cpu: 0\n clock 0:\n  .idle_jiffies   : 4309199609\njiffies: 4309266208\n\ncpu: 1\njiffies: 1\n";
+        assert_eq!(
+            parse(text.lines().map(str::to_owned)),
+            Some(Sample {
+                now_ns: 57_495_911_557_665,
+                jiffies: 4_309_266_208
+            })
+        );
+        assert_eq!(parse("jiffies: 5\n".lines().map(str::to_owned)), None);
+        assert_eq!(
+            parse("now at x nsecs\njiffies: 5\n".lines().map(str::to_owned)),
+            None
+        );
+    }
+
+    /// The figures of this machine's file: HZ 250, 16 h up, jiffies 0.26 s
+    /// behind the monotonic clock.
+    #[test]
+    fn tells_hz_from_one_sample() {
+        let s = Sample {
+            now_ns: 57_495_911_557_665,
+            jiffies: 4_309_266_208,
+        };
+        let c = from_sample(s).expect("one HZ fits");
+        assert!(matches!(c, Clock::Jiffies { hz: 250, .. }), "{c:?}");
+        // The programs' clock reads the monotonic time at that jiffy.
+        let (tick, offset) = c.constants();
+        assert_eq!(s.jiffies.wrapping_mul(tick).wrapping_add(offset), s.now_ns);
+        for hz in HZ_CHOICES {
+            for uptime_s in [20, 400, 3600, 86_400 * 400] {
+                let c = from_sample(at(hz, uptime_s * NS_PER_S));
+                assert!(
+                    matches!(c, Some(Clock::Jiffies { hz: h, .. }) if h == hz),
+                    "{hz} {uptime_s}: {c:?}"
+                );
+            }
+        }
+    }
+
+    /// Around 300 s of uptime jiffies are near 2^32 whatever HZ: one sample
+    /// cannot tell, two can.
+    #[test]
+    fn near_300_s_the_rate_tells() {
+        for hz in HZ_CHOICES {
+            let (a, b) = (at(hz, 300 * NS_PER_S), at(hz, 300 * NS_PER_S + NS_PER_S / 5));
+            assert_eq!(from_sample(a), None, "{hz}");
+            let c = from_rate(a, b);
+            assert!(
+                matches!(c, Some(Clock::Jiffies { hz: h, .. }) if h == hz),
+                "{hz}: {c:?}"
+            );
+        }
+        // Too short an interval, or time going backwards: no answer.
+        assert_eq!(from_rate(at(250, NS_PER_S), at(250, NS_PER_S + 1_000_000)), None);
+        assert_eq!(from_rate(at(250, 2 * NS_PER_S), at(250, NS_PER_S)), None);
+    }
+
+    /// This machine's kernel: whatever HZ it has, reading it agrees with
+    /// the monotonic clock to within a second.
+    #[test]
+    fn detects_this_kernel() {
+        let c = Clock::detect();
+        let Clock::Jiffies { .. } = c else {
+            panic!("/proc/timer_list did not tell HZ: {c:?}");
+        };
+        let s = sample().expect("timer_list");
+        let (tick, offset) = c.constants();
+        let ours = s.jiffies.wrapping_mul(tick).wrapping_add(offset);
+        assert!(ours.abs_diff(s.now_ns) < NS_PER_S, "{ours} vs {}", s.now_ns);
+    }
+}
