@@ -99,6 +99,9 @@ pub mod names {
     pub const XDP_FLOOR: &str = "xdp_floor";
     /// The TC floor of the benchmarks.
     pub const TC_FLOOR: &str = "tc_floor";
+    /// Writes CLOCK_MONOTONIC and jiffies into a test run's frame: how the
+    /// agent tells the kernel's HZ (`dataplane::clock`).
+    pub const XDP_CLOCK: &str = "xdp_clock";
     /// TC egress on external devices and pod-facing host interfaces:
     /// source rewrites (SNAT; the frontend address on replies).
     pub const TC_EGRESS: &str = "tc_egress";

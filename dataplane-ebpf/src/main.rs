@@ -70,6 +70,26 @@ pub fn xdp_floor(ctx: XdpContext) -> u32 {
     }
 }
 
+/// CLOCK_MONOTONIC (ns) and jiffies, read one after the other, written
+/// into the first 16 bytes of the frame: run once or twice by the agent
+/// (BPF_PROG_TEST_RUN, never attached) to tell the kernel's HZ, which the
+/// datapath clock (`ct::now`) needs.
+#[xdp]
+pub fn xdp_clock(ctx: XdpContext) -> u32 {
+    // SAFETY: helpers without arguments.
+    let (now, jiffies) = unsafe {
+        (
+            aya_ebpf::helpers::bpf_ktime_get_ns(),
+            aya_ebpf::helpers::bpf_jiffies64(),
+        )
+    };
+    use ctx::Ctx;
+    if ctx.store(0, &now).is_none() || ctx.store(8, &jiffies).is_none() {
+        return xdp_action::XDP_ABORTED;
+    }
+    xdp_action::XDP_PASS
+}
+
 /// The TC twin of `xdp_floor`: the floor of the TC benchmarks.
 #[classifier]
 pub fn tc_floor(ctx: TcContext) -> i32 {

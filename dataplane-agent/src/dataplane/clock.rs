@@ -2,33 +2,34 @@
 //! monotonic time in ns whose resolution only has to be a fraction of their
 //! one-second timeouts. `bpf_jiffies64()` is that clock at one load (the
 //! verifier inlines it), where `bpf_ktime_get_coarse_ns()` is a helper call
-//! that measured as a third of an established packet's time in a VM; but
-//! jiffies count ticks of the kernel's `CONFIG_HZ`, which no interface
-//! states. It is told here from `/proc/timer_list`, whose header gives
-//! CLOCK_MONOTONIC (`now at N nsecs`) and whose first CPU section gives
-//! `jiffies: J` a few microseconds later: jiffies start at
-//! `INITIAL_JIFFIES = 2^32 - 300 * HZ`, so for one HZ among the kernel's
+//! that measured as a tenth of an established packet's time; but jiffies
+//! count ticks of the kernel's `CONFIG_HZ`, which no interface states (and
+//! `/proc/timer_list`, which shows jiffies, is masked in containers). It is
+//! told here by the object's own `xdp_clock` program, run with
+//! BPF_PROG_TEST_RUN on a throwaway copy of the object: it returns
+//! CLOCK_MONOTONIC N and jiffies J read one after the other. Jiffies start
+//! at `INITIAL_JIFFIES = 2^32 - 300 * HZ`, so for one HZ among the kernel's
 //! choices `(J - INITIAL_JIFFIES) / HZ` is N in seconds. Near 300 s of
-//! uptime every HZ fits (jiffies cross 2^32 then whatever HZ): two reads
-//! 200 ms apart tell HZ by the rate instead.
+//! uptime every HZ fits (jiffies cross 2^32 then whatever HZ): a second run
+//! 200 ms later tells HZ by the rate instead.
 //!
 //! The programs get `JIFFY_NS` (10^9 / HZ) and `JIFFIES_OFFSET_NS` (N - J *
 //! JIFFY_NS, wrapping) as load-time constants and compute `J * JIFFY_NS +
-//! offset`: the monotonic clock within a few ticks, so entries stamped by
-//! programs on either clock (an upgrade, a restart) keep their ages.
-//! Without `/proc/timer_list`, or when nothing fits, they keep
-//! `bpf_ktime_get_coarse_ns()`.
+//! offset`: the monotonic clock within a tick, so entries stamped by
+//! programs on either clock (an upgrade, a restart) keep their ages. When
+//! the probe fails, or nothing fits, they keep `bpf_ktime_get_coarse_ns()`.
 
-use std::{
-    fs::File,
-    io::{BufRead, BufReader},
-    time::Duration,
+use std::time::Duration;
+
+use aya::{
+    EbpfLoader,
+    programs::{TestRun, TestRunOptions, Xdp},
 };
+use dataplane_common::names;
 
 /// The kernel's `CONFIG_HZ` choices (x86-64, arm64 and most others).
 const HZ_CHOICES: [u64; 4] = [100, 250, 300, 1000];
 const NS_PER_S: u64 = 1_000_000_000;
-const TIMER_LIST: &str = "/proc/timer_list";
 
 /// Which clock the programs read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,16 +41,21 @@ pub enum Clock {
 }
 
 impl Clock {
-    /// Tells the kernel's HZ from `/proc/timer_list` (see the module docs).
-    pub fn detect() -> Self {
-        let Some(a) = sample() else {
+    /// Tells the kernel's HZ with the `xdp_clock` probe (see the module
+    /// docs), from the object `object`.
+    pub fn detect(object: &[u8]) -> Self {
+        let Some(probe) = Probe::load(object) else {
+            return Clock::KtimeCoarse;
+        };
+        let Some(a) = probe.sample() else {
             return Clock::KtimeCoarse;
         };
         if let Some(c) = from_sample(a) {
             return c;
         }
         std::thread::sleep(Duration::from_millis(200));
-        sample()
+        probe
+            .sample()
             .and_then(|b| from_rate(a, b))
             .unwrap_or(Clock::KtimeCoarse)
     }
@@ -71,37 +77,52 @@ impl Clock {
     }
 }
 
-/// (CLOCK_MONOTONIC in ns, jiffies) from one read of `/proc/timer_list`.
+/// (CLOCK_MONOTONIC in ns, jiffies), read together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Sample {
     now_ns: u64,
     jiffies: u64,
 }
 
-fn sample() -> Option<Sample> {
-    parse(
-        BufReader::new(File::open(TIMER_LIST).ok()?)
-            .lines()
-            .map_while(Result::ok),
-    )
-}
+/// A throwaway copy of the object (every map one entry, nothing pinned)
+/// with only `xdp_clock` loaded.
+struct Probe(aya::Ebpf);
 
-/// Reads up to the first `jiffies:` line (the file lists every CPU's
-/// timers after it: it can be long on a large machine).
-fn parse(lines: impl Iterator<Item = String>) -> Option<Sample> {
-    let mut now_ns = None;
-    for line in lines {
-        let line = line.trim();
-        if let Some(rest) = line.strip_prefix("now at ") {
-            now_ns = rest.strip_suffix(" nsecs")?.trim().parse().ok();
-        } else if let Some(rest) = line.strip_prefix("jiffies:") {
-            return Some(Sample {
-                now_ns: now_ns?,
-                jiffies: rest.trim().parse().ok()?,
-            });
+impl Probe {
+    fn load(object: &[u8]) -> Option<Self> {
+        let mut loader = EbpfLoader::new();
+        for map in names::ALL_MAPS {
+            loader.map_max_entries(map, 1);
         }
+        let mut ebpf = loader.load(object).ok()?;
+        let prog: &mut Xdp = ebpf.program_mut(names::XDP_CLOCK)?.try_into().ok()?;
+        prog.load().ok()?;
+        Some(Self(ebpf))
     }
-    None
+
+    fn sample(&self) -> Option<Sample> {
+        let prog: &Xdp = self.0.program(names::XDP_CLOCK)?.try_into().ok()?;
+        // An Ethernet header's worth at least; the program writes 16 bytes.
+        let input = [0u8; 64];
+        let mut out = [0u8; 64];
+        let r = prog
+            .test_run(TestRunOptions {
+                data_in: Some(&input),
+                data_out: Some(&mut out),
+                repeat: 1,
+                ..Default::default()
+            })
+            .ok()?;
+        const XDP_PASS: u32 = 2;
+        if r.return_value != XDP_PASS {
+            return None;
+        }
+        let word = |i: usize| u64::from_ne_bytes(out[i..i + 8].try_into().expect("8 bytes"));
+        Some(Sample {
+            now_ns: word(0),
+            jiffies: word(8),
+        })
+    }
 }
 
 /// `INITIAL_JIFFIES` of a kernel with this HZ (64-bit jiffies).
@@ -155,26 +176,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn parses_the_header_and_the_first_cpu() {
-        let text = "Timer List Version: v0.10\nHRTIMER_MAX_CLOCK_BASES: 8\nnow at 57495911557665 nsecs\n\n\
-                    cpu: 0\n clock 0:\n  .idle_jiffies   : 4309199609\njiffies: 4309266208\n\ncpu: 1\njiffies: 1\n";
-        assert_eq!(
-            parse(text.lines().map(str::to_owned)),
-            Some(Sample {
-                now_ns: 57_495_911_557_665,
-                jiffies: 4_309_266_208
-            })
-        );
-        assert_eq!(parse("jiffies: 5\n".lines().map(str::to_owned)), None);
-        assert_eq!(
-            parse("now at x nsecs\njiffies: 5\n".lines().map(str::to_owned)),
-            None
-        );
-    }
-
-    /// The figures of this machine's file: HZ 250, 16 h up, jiffies 0.26 s
-    /// behind the monotonic clock.
+    /// Figures read from this machine's /proc/timer_list: HZ 250, 16 h up,
+    /// jiffies 0.26 s behind the monotonic clock.
     #[test]
     fn tells_hz_from_one_sample() {
         let s = Sample {
@@ -213,19 +216,5 @@ mod tests {
         // Too short an interval, or time going backwards: no answer.
         assert_eq!(from_rate(at(250, NS_PER_S), at(250, NS_PER_S + 1_000_000)), None);
         assert_eq!(from_rate(at(250, 2 * NS_PER_S), at(250, NS_PER_S)), None);
-    }
-
-    /// This machine's kernel: whatever HZ it has, reading it agrees with
-    /// the monotonic clock to within a second.
-    #[test]
-    fn detects_this_kernel() {
-        let c = Clock::detect();
-        let Clock::Jiffies { .. } = c else {
-            panic!("/proc/timer_list did not tell HZ: {c:?}");
-        };
-        let s = sample().expect("timer_list");
-        let (tick, offset) = c.constants();
-        let ours = s.jiffies.wrapping_mul(tick).wrapping_add(offset);
-        assert!(ours.abs_diff(s.now_ns) < NS_PER_S, "{ours} vs {}", s.now_ns);
     }
 }

@@ -316,7 +316,7 @@ impl Datapath {
         // process's life.
         static CLOCK: std::sync::OnceLock<Clock> = std::sync::OnceLock::new();
         let clock = *CLOCK.get_or_init(|| {
-            let c = Clock::detect();
+            let c = Clock::detect(EBPF_OBJECT);
             tracing::info!(clock = %c.describe(), "datapath clock");
             c
         });
