@@ -37,7 +37,10 @@ pub struct CtKey<A> {
     pub sport: u16,
     pub dport: u16,
     pub proto: u8,
-    pub _pad: [u8; 3],
+    /// Padding as scalars, not a byte array: zeroing `[u8; 3]` compiles to
+    /// a `memset` call in BPF (a subprogram call per key built).
+    pub _pad0: u8,
+    pub _pad1: u16,
 }
 pub type Ct4Key = CtKey<u32>;
 pub type Ct6Key = CtKey<Ip6>;
@@ -45,17 +48,23 @@ crate::assert_layout!(Ct4Key, 16, 4);
 crate::assert_layout!(Ct6Key, 40, 4);
 
 impl<A: Addr> CtKey<A> {
+    #[inline(always)]
+    pub fn new(saddr: A, daddr: A, sport: u16, dport: u16, proto: u8) -> Self {
+        Self {
+            saddr,
+            daddr,
+            sport,
+            dport,
+            proto,
+            _pad0: 0,
+            _pad1: 0,
+        }
+    }
+
     /// The key of the packets flowing the other way.
     #[inline(always)]
     pub fn reversed(&self) -> Self {
-        Self {
-            saddr: self.daddr,
-            daddr: self.saddr,
-            sport: self.dport,
-            dport: self.sport,
-            proto: self.proto,
-            _pad: [0; 3],
-        }
+        Self::new(self.daddr, self.saddr, self.dport, self.sport, self.proto)
     }
 }
 
@@ -80,7 +89,9 @@ pub struct CtEntry<A> {
     /// hooks on different CPUs set different facts at once without locks
     /// or atomics, since a byte store cannot clobber its neighbours.
     pub state: [u8; 4],
-    pub _pad: [u8; 3],
+    /// Scalars, as in [`CtKey`].
+    pub _pad0: u8,
+    pub _pad1: u16,
 }
 pub type Ct4Entry = CtEntry<u32>;
 pub type Ct6Entry = CtEntry<Ip6>;
@@ -96,14 +107,13 @@ impl<A: Addr> CtEntry<A> {
     /// The translated tuple, as a key.
     #[inline(always)]
     pub fn nat_key(&self, proto: u8) -> CtKey<A> {
-        CtKey {
-            saddr: self.nat_saddr,
-            daddr: self.nat_daddr,
-            sport: self.nat_sport,
-            dport: self.nat_dport,
+        CtKey::new(
+            self.nat_saddr,
+            self.nat_daddr,
+            self.nat_sport,
+            self.nat_dport,
             proto,
-            _pad: [0; 3],
-        }
+        )
     }
 
     #[inline(always)]
@@ -198,7 +208,9 @@ pub struct Sock6RevKey {
     /// Backend address and port (network order).
     pub addr: Ip6,
     pub port: u16,
-    pub _pad: [u8; 6],
+    /// Scalars, as in [`CtKey`].
+    pub _pad0: u16,
+    pub _pad1: u32,
 }
 crate::assert_layout!(Sock6RevKey, 32, 8);
 

@@ -41,11 +41,18 @@ static JIFFIES_OFFSET_NS: u64 = 0;
 /// so entries written by programs on either clock stay valid across a
 /// restart; ages are taken with saturating subtractions for that skew.
 ///
-/// A subprogram (no stack of its own; the call costs a few instructions):
-/// inlined into the paths, its two constants stay live in registers the
-/// largest frames need.
+/// [`now_inline`] as a subprogram, for the new-flow and ICMP paths: inlined
+/// there, its two constants stay live in registers the largest frames need.
 #[inline(never)]
 pub fn now() -> u64 {
+    now_inline()
+}
+
+/// The clock itself, inline in the per-packet lookup paths: a subprogram's
+/// return is a mispredicted branch where the kernel returns through a
+/// thunk (about 5 ns of an established packet's time on such a machine).
+#[inline(always)]
+pub fn now_inline() -> u64 {
     // SAFETY: reads of load-time constants.
     let (tick, offset) = unsafe {
         (
@@ -133,8 +140,7 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
     let Some(s) = scratch::<F>() else {
         return;
     };
-    // SAFETY: a map value pointer, valid for this run; copied once.
-    s.a = unsafe { *e };
+    copy_entry(&mut s.a, e);
     let forward = s.a.role() == ct_flags::FWD_IN;
     // The facts this packet establishes, as state bytes.
     let mut facts = [0u8; 4];
@@ -160,14 +166,13 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
     update(e, news, refresh, now);
     // The other state entry: keyed by the reverse of this one's translated
     // tuple, and translating to the reverse of this one's key.
-    s.key = CtKey {
-        saddr: s.a.nat_daddr,
-        daddr: s.a.nat_saddr,
-        sport: s.a.nat_dport,
-        dport: s.a.nat_sport,
-        proto: key.proto,
-        _pad: [0; 3],
-    };
+    s.key = CtKey::new(
+        s.a.nat_daddr,
+        s.a.nat_saddr,
+        s.a.nat_dport,
+        s.a.nat_sport,
+        key.proto,
+    );
     if let Some(o) = F::ct().get_ptr_mut(&s.key)
         // SAFETY: a map value pointer, valid for this run.
         && translates_to(unsafe { &*o }, &key.daddr, key.dport, &key.saddr, key.sport)
@@ -178,14 +183,7 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
         // FWD_OUT (from FWD_IN) or REP_OUT (from REP_IN): keyed by this
         // entry's source towards its translated destination, holding the
         // same translated tuple.
-        s.key = CtKey {
-            saddr: key.saddr,
-            sport: key.sport,
-            daddr: s.a.nat_daddr,
-            dport: s.a.nat_dport,
-            proto: key.proto,
-            _pad: [0; 3],
-        };
+        s.key = CtKey::new(key.saddr, s.a.nat_daddr, key.sport, s.a.nat_dport, key.proto);
         if let Some(sub) = F::ct().get_ptr_mut(&s.key)
             // SAFETY: as above.
             && translates_to(unsafe { &*sub }, &s.a.nat_saddr, s.a.nat_sport, &s.a.nat_daddr, s.a.nat_dport)
@@ -224,6 +222,16 @@ fn update<A: Addr>(e: *mut CtEntry<A>, news: u8, refresh: bool, now: u64) {
     }
 }
 
+/// Copies a map value into the scratch space. `*e` would compile to a
+/// `memmove` call (the compiler cannot tell the two apart); a
+/// non-overlapping copy is expanded inline.
+#[inline(always)]
+fn copy_entry<A: Addr>(dst: &mut CtEntry<A>, e: *const CtEntry<A>) {
+    // SAFETY: `e` is a map value pointer valid for this run; `dst` is this
+    // CPU's scratch slot, never a map value of the conntrack map.
+    unsafe { core::ptr::copy_nonoverlapping(e, dst, 1) }
+}
+
 /// This CPU's scratch space for building a new flow's keys and entries.
 #[inline(always)]
 pub fn scratch<F: Family>() -> Option<&'static mut CtScratch<F::A>> {
@@ -250,7 +258,8 @@ pub fn entries<A: Addr>(s: &mut CtScratch<A>, t: &CtKey<A>, choice: &Choice<A>, 
         service_id: choice.service_id,
         flags: ct_flags::FWD_IN,
         state: [0; 4],
-        _pad: [0; 3],
+        _pad0: 0,
+        _pad1: 0,
     };
     s.b = CtEntry {
         nat_saddr: t.daddr,
@@ -277,14 +286,13 @@ pub fn create<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>,
     entries(s, t, choice, now);
     // backend → client: the unmasqueraded owner's key, and the explicit
     // REP_OUT's.
-    s.key = CtKey {
-        saddr: choice.backend.address,
-        daddr: t.saddr,
-        sport: choice.backend.port,
-        dport: t.sport,
-        proto: t.proto,
-        _pad: [0; 3],
-    };
+    s.key = CtKey::new(
+        choice.backend.address,
+        t.saddr,
+        choice.backend.port,
+        t.sport,
+        t.proto,
+    );
     if !choice.snat {
         if F::ct().insert(&s.key, &s.b, BPF_ANY as u64).is_err() {
             return Event::DropCtFull;
@@ -342,17 +350,9 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
     let (backend, backend_port) = (choice.backend.address, choice.backend.port);
     // A flow kept unmasqueraded (its owner) or masqueraded with an explicit
     // port: a REP_OUT keyed backend → client.
-    s.key = CtKey {
-        saddr: backend,
-        daddr: t.saddr,
-        sport: backend_port,
-        dport: t.sport,
-        proto: t.proto,
-        _pad: [0; 3],
-    };
+    s.key = CtKey::new(backend, t.saddr, backend_port, t.sport, t.proto);
     if let Some(e) = F::ct().get_ptr(&s.key) {
-        // SAFETY: a map value pointer, valid for this run; copied once.
-        s.a = unsafe { *e };
+        copy_entry(&mut s.a, e);
         if s.a.role() == ct_flags::REP_OUT && !expired(cfg, t.proto, &s.a, now) {
             let explicit = s.a.flags & ct_flags::EXPLICIT != 0;
             // An explicit REP_OUT carries no state: the flow's FWD_IN does
@@ -370,14 +370,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
             if live && !same_frontend(&s.a, t) {
                 return Event::DropTupleClash;
             }
-            s.key = CtKey {
-                saddr: backend,
-                daddr: t.saddr,
-                sport: backend_port,
-                dport: t.sport,
-                proto: t.proto,
-                _pad: [0; 3],
-            };
+            s.key = CtKey::new(backend, t.saddr, backend_port, t.sport, t.proto);
             let _ = F::ct().remove(&s.key);
             if explicit {
                 // Its FWD_OUT: client → backend.
@@ -404,17 +397,9 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
         cfg.snat_port_min,
         cfg.snat_port_max,
     );
-    s.key = CtKey {
-        saddr: backend,
-        daddr: F::snat_ip(cfg),
-        sport: backend_port,
-        dport: port.to_be(),
-        proto: t.proto,
-        _pad: [0; 3],
-    };
+    s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), t.proto);
     if let Some(e) = F::ct().get_ptr(&s.key) {
-        // SAFETY: as above.
-        s.a = unsafe { *e };
+        copy_entry(&mut s.a, e);
         if s.a.role() == ct_flags::REP_IN
             && s.a.nat_daddr == t.saddr
             && s.a.nat_dport == t.sport

@@ -14,6 +14,7 @@ use crate::{
     csum, ct,
     ctx::{Ctx, load},
     family::Family,
+    maps::REJECT_SCRATCH,
     parse::{ip, ip6, l4},
 };
 
@@ -64,13 +65,29 @@ pub fn reject<C: Ctx>(ctx: &C, v6: bool, l3: usize, l4: usize) -> (C::Verdict, E
     }
 }
 
+/// This CPU's reject scratch space as an `N`-byte frame, zeroed.
+#[inline(always)]
+fn frame<const N: usize>() -> Option<&'static mut [u8; N]> {
+    const { assert!(N <= 128 && N.is_multiple_of(4)) };
+    let words = REJECT_SCRATCH.get_ptr_mut(0)? as *mut u32;
+    let mut i = 0;
+    while i < N / 4 {
+        // SAFETY: within this CPU's 128-byte slot; packet programs never
+        // nest on a CPU, so nothing else uses it during this run.
+        unsafe { words.add(i).write_volatile(0) };
+        i += 1;
+    }
+    // SAFETY: as above; `N` bytes, all written.
+    Some(unsafe { &mut *(words as *mut [u8; N]) })
+}
+
 #[inline(never)]
 fn build_reject4<C: Ctx>(ctx: &C, l3: usize, l4: usize) -> Option<C::Verdict> {
     if l4 != l3 + ip::HLEN {
         return None;
     }
     let quote: [u8; QUOTE] = load(ctx, l3)?;
-    let mut f = [0u8; REJECT_LEN];
+    let f = frame::<REJECT_LEN>()?;
     f[0] = 0x45;
     f[1] = 0xc0; // internetwork control, as Linux sends ICMP errors
     f[ip::TOT_LEN..ip::TOT_LEN + 2].copy_from_slice(&(REJECT_LEN as u16).to_be_bytes());
@@ -86,13 +103,13 @@ fn build_reject4<C: Ctx>(ctx: &C, l3: usize, l4: usize) -> Option<C::Verdict> {
     f[ip::HLEN + l4::ICMP_HLEN..].copy_from_slice(&quote);
     let c = checksum(0, &f[ip::HLEN..]);
     f[ip::HLEN + l4::ICMP_CHECK..ip::HLEN + l4::ICMP_CHECK + 2].copy_from_slice(&c.to_ne_bytes());
-    ctx.send_back(l3, &f)
+    ctx.send_back(l3, f)
 }
 
 #[inline(never)]
 fn build_reject6<C: Ctx>(ctx: &C, l3: usize) -> Option<C::Verdict> {
     let quote: [u8; QUOTE6] = load(ctx, l3)?;
-    let mut f = [0u8; REJECT6_LEN];
+    let f = frame::<REJECT6_LEN>()?;
     f[0] = 0x60;
     let payload = (REJECT6_LEN - ip6::HLEN) as u16;
     f[ip6::PAYLOAD_LEN..ip6::PAYLOAD_LEN + 2].copy_from_slice(&payload.to_be_bytes());
@@ -103,9 +120,9 @@ fn build_reject6<C: Ctx>(ctx: &C, l3: usize) -> Option<C::Verdict> {
     f[ip6::HLEN] = ICMP6_DST_UNREACH;
     f[ip6::HLEN + 1] = ICMP6_PORT_UNREACH;
     f[ip6::HLEN + l4::ICMP_HLEN..].copy_from_slice(&quote);
-    let c = icmp6_checksum(&f);
+    let c = icmp6_checksum(f);
     f[ip6::HLEN + l4::ICMP_CHECK..ip6::HLEN + l4::ICMP_CHECK + 2].copy_from_slice(&c.to_ne_bytes());
-    ctx.send_back(l3, &f)
+    ctx.send_back(l3, f)
 }
 
 /// ICMPv6 checksum of a whole IPv6 packet `f` whose checksum field is zero:
@@ -216,14 +233,7 @@ pub fn hashed_rep_in<F: Family>(
         cfg.snat_port_max,
     );
     let s = ct::scratch::<F>()?;
-    s.key = CtKey {
-        saddr: backend,
-        daddr: F::snat_ip(cfg),
-        sport: backend_port,
-        dport: port.to_be(),
-        proto,
-        _pad: [0; 3],
-    };
+    s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), proto);
     let e = ct::lookup::<F>(cfg, &s.key, now)?;
     // SAFETY: a map value pointer, valid for this run.
     let en = unsafe { &*e };
@@ -296,14 +306,7 @@ fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, n
     ) else {
         return Some(false);
     };
-    let q = CtKey {
-        saddr,
-        daddr,
-        sport: ports[0],
-        dport: ports[1],
-        proto: inner_proto,
-        _pad: [0; 3],
-    };
+    let q = CtKey::new(saddr, daddr, ports[0], ports[1], inner_proto);
     let Some((e, outer_follows)) = flow_of::<F>(cfg, &q, now) else {
         return Some(false);
     };

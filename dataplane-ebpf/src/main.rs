@@ -24,6 +24,7 @@ mod snat;
 mod sock;
 mod stats;
 mod unaligned;
+mod zero;
 
 use aya_ebpf::{
     bindings::{TC_ACT_OK, TC_ACT_SHOT, xdp_action},

@@ -113,3 +113,8 @@ pub static CT_SCRATCH4: PerCpuArray<CtScratch<u32>> = PerCpuArray::with_max_entr
 #[map(name = "DP_CT_SCRATCH6")]
 pub static CT_SCRATCH6: PerCpuArray<CtScratch<dataplane_common::addr::Ip6>> =
     PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's space for building an ICMP reject (`icmp::reject`), off the
+/// BPF stack: the entry point's frame and the builder's add up.
+#[map(name = "DP_REJECT_SCRATCH")]
+pub static REJECT_SCRATCH: PerCpuArray<[u32; 32]> = PerCpuArray::with_max_entries(1, 0);

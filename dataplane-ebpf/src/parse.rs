@@ -233,14 +233,7 @@ pub fn parse4<C: Ctx>(ctx: &C, l3: usize) -> Parsed {
         Some((sport, dport, tcp_flags)) => Parsed::V4(Pkt {
             l3,
             l4,
-            tuple: CtKey {
-                saddr,
-                daddr,
-                sport,
-                dport,
-                proto,
-                _pad: [0; 3],
-            },
+            tuple: CtKey::new(saddr, daddr, sport, dport, proto),
             tcp_flags,
             tot_len,
         }),
@@ -307,14 +300,7 @@ pub fn parse6<C: Ctx>(ctx: &C, l3: usize) -> Parsed {
         Some((sport, dport, tcp_flags)) => Parsed::V6(Pkt {
             l3,
             l4,
-            tuple: CtKey {
-                saddr,
-                daddr,
-                sport,
-                dport,
-                proto,
-                _pad: [0; 3],
-            },
+            tuple: CtKey::new(saddr, daddr, sport, dport, proto),
             tcp_flags,
             tot_len: (ip6::HLEN + payload_len) as u16,
         }),

@@ -268,18 +268,20 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Ste
         Err(other) => return unparsed::<C>(other),
     };
     let now = ct::now();
-    let mut choice = Choice::default();
+    let mut slot = core::mem::MaybeUninit::<Choice<F::A>>::uninit();
+    // SAFETY: integers and booleans: all zeroes is a valid `Choice`.
+    let choice = unsafe { crate::zero::zeroed(&mut slot) };
     // Subprograms side by side (their stacks do not add up): the decision,
     // the tuple cleared of closed flows, the SNAT port's claim, the entries.
-    let mut event = flow::decide::<F>(cfg, &pkt.tuple, now, &mut choice);
+    let mut event = flow::decide::<F>(cfg, &pkt.tuple, now, choice);
     if event == Event::NewFlow {
-        event = ct::clear_tuple::<F>(cfg, &pkt.tuple, &choice, now);
+        event = ct::clear_tuple::<F>(cfg, &pkt.tuple, choice, now);
     }
     if event == Event::NewFlow && choice.snat {
-        event = snat::claim::<F>(cfg, &pkt.tuple, &mut choice, now);
+        event = snat::claim::<F>(cfg, &pkt.tuple, choice, now);
     }
     if event == Event::NewFlow {
-        event = ct::create::<F>(cfg, &pkt.tuple, &choice, now);
+        event = ct::create::<F>(cfg, &pkt.tuple, choice, now);
     }
     match flow::action(event) {
         // DNAT to the backend chosen.

@@ -46,9 +46,10 @@ pub fn tc(ctx: &TcContext) -> Option<i32> {
 fn route(ctx: &TcContext) -> i64 {
     const STACK: i64 = -1;
     let l3 = eth::HLEN;
+    let mut slot = core::mem::MaybeUninit::<bpf_fib_lookup>::uninit();
     // SAFETY: a plain-old-data struct of integers, unions of integers and
     // byte arrays: all zeroes is a valid value.
-    let mut p: bpf_fib_lookup = unsafe { core::mem::zeroed() };
+    let p = unsafe { crate::zero::zeroed(&mut slot) };
     // (the offset of the TTL or hop limit, the 16-bit word holding it
     // (IPv4: with the protocol, under the header checksum))
     let (ttl_off, word) = match kind(ctx) {
@@ -92,7 +93,7 @@ fn route(ctx: &TcContext) -> i64 {
     let rc = unsafe {
         fib_lookup(
             ctx.skb.skb as *mut _,
-            &mut p,
+            p,
             core::mem::size_of::<bpf_fib_lookup>() as i32,
             0,
         )

@@ -68,14 +68,7 @@ fn search<F: Family>(
         return Err(Event::DropSnatExhausted);
     }
     let hashed = snat_port_hash(t.saddr, t.sport, cfg.snat_hash_seed, min, max);
-    s.key = CtKey {
-        saddr: s.a.nat_daddr,
-        daddr: snat_ip,
-        sport: s.a.nat_dport,
-        dport: hashed.to_be(),
-        proto: t.proto,
-        _pad: [0; 3],
-    };
+    s.key = CtKey::new(s.a.nat_daddr, snat_ip, s.a.nat_dport, hashed.to_be(), t.proto);
     let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t));
     match outcome {
         Claim::Clash => return Err(Event::DropTupleClash),

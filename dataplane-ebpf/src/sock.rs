@@ -148,7 +148,8 @@ fn try_translate6(ctx: &SockAddrContext) -> Event {
             cookie: bpf_get_socket_cookie(ctx.sock_addr.cast()),
             addr: be.address,
             port: be.port,
-            _pad: [0; 6],
+            _pad0: 0,
+            _pad1: 0,
         };
         let value = Sock6RevValue {
             addr: daddr,
@@ -184,7 +185,8 @@ pub fn reverse(ctx: &SockAddrContext, v6: bool) -> i32 {
                     (*sa).user_ip6[3],
                 ],
                 port: (*sa).user_port as u16,
-                _pad: [0; 6],
+                _pad0: 0,
+                _pad1: 0,
             };
             if let Some(v) = SOCK_REVNAT6.get(&key) {
                 let addr = v.addr;

@@ -403,14 +403,13 @@ fn flow_service<A: AbiAddr>(
     let (Some(saddr), Some(daddr)) = (A::from_ip(src.ip()), A::from_ip(dst.ip())) else {
         return Ok(None);
     };
-    let key = CtKey {
+    let key = CtKey::new(
         saddr,
         daddr,
-        sport: src.port().to_be(),
-        dport: dst.port().to_be(),
-        proto: proto.number(),
-        _pad: [0; 3],
-    };
+        src.port().to_be(),
+        dst.port().to_be(),
+        proto.number(),
+    );
     Ok(maps
         .conntrack()?
         .into_iter()
