@@ -23,9 +23,13 @@ use crate::{
 
 pub trait Family: 'static {
     type A: Addr;
-    /// Offsets of the addresses in the IP header.
+    /// Offsets of the addresses in the IP header, and of the (first) next
+    /// protocol.
     const SADDR: usize;
     const DADDR: usize;
+    const PROTO: usize;
+    /// The fixed IP header, whose size bounds the reads at those offsets.
+    type Hdr;
     /// Whether the IP header carries a checksum (IPv4) or only the L4
     /// pseudo-header covers the addresses (IPv6).
     const IP_CHECKSUM: bool;
@@ -58,6 +62,8 @@ impl Family for V4 {
     type A = u32;
     const SADDR: usize = crate::parse::ip::SADDR;
     const DADDR: usize = crate::parse::ip::DADDR;
+    const PROTO: usize = crate::parse::ip::PROTO;
+    type Hdr = network_types::ip::Ipv4Hdr;
     const IP_CHECKSUM: bool = true;
     const ICMP: u8 = proto::ICMP;
 
@@ -114,6 +120,8 @@ impl Family for V6 {
     type A = Ip6;
     const SADDR: usize = crate::parse::ip6::SADDR;
     const DADDR: usize = crate::parse::ip6::DADDR;
+    const PROTO: usize = crate::parse::ip6::NEXT_HDR;
+    type Hdr = network_types::ip::Ipv6Hdr;
     const IP_CHECKSUM: bool = false;
     const ICMP: u8 = proto::ICMPV6;
 

@@ -19,14 +19,14 @@ use dataplane_common::{
 
 use crate::{
     ct,
-    ctx::{Ctx, FromVerdict, Side},
+    ctx::{Ctx, FromVerdict, Side, ptr_at},
     family::{Family, V4, V6},
     filter,
     flow::{self, Action, Choice},
     icmp,
     maps::CONFIG,
     parse::{Kind, Parsed, Pkt, kind},
-    snat, stats,
+    snat, stats, unaligned,
 };
 
 #[inline(always)]
@@ -189,13 +189,33 @@ fn ingress_inner<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
 #[inline(always)]
 fn ingress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
     match kind(ctx) {
-        Kind::V4(l3) => ingress_family::<C, V4>(ctx, cfg, l3),
-        Kind::V6(l3) => ingress_family::<C, V6>(ctx, cfg, l3),
+        Kind::V4(l3) => ingress_prefilter::<C, V4>(ctx, cfg, l3),
+        Kind::V6(l3) => ingress_prefilter::<C, V6>(ctx, cfg, l3),
         Kind::Other => Step::done(C::PASS, Event::Pass),
         Kind::Malformed => Step::done(C::PASS, Event::Malformed),
     }
 }
 
+/// The pre-filter, inline in the entry point before the family's
+/// subprogram: a TCP, UDP or SCTP packet (IPv6: without extension headers)
+/// whose destination is certainly not ours passes on two loads and one
+/// read of the address filter, before it is parsed further. Anything else
+/// (ICMP, extension headers, a header cut short) takes the full path. Not
+/// calling a subprogram matters: a subprogram's return is a mispredicted
+/// branch where the kernel returns through a thunk (AMD's SRSO "safe RET",
+/// retbleed), which was the largest part of a passed packet's time.
+#[inline(always)]
+fn ingress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+    if passes_prefilter::<C, F>(ctx, l3, |_, daddr| {
+        // Not a frontend, not a SNAT address, not in a service CIDR.
+        !filter::maybe(cfg, FRONTENDS, daddr) && !F::in_service_cidr(cfg, daddr)
+    }) {
+        return Step::done(C::PASS, Event::Pass);
+    }
+    ingress_family::<C, F>(ctx, cfg, l3)
+}
+
+/// A packet the pre-filter let through.
 #[inline(never)]
 fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
     let pkt = &match F::parse(ctx, l3) {
@@ -207,10 +227,13 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
     }
     let t = &pkt.tuple;
     // Not a frontend, not a SNAT address, not in a service CIDR: not ours.
-    if !filter::maybe(cfg, FRONTENDS, &t.daddr) && !F::in_service_cidr(cfg, &t.daddr) {
+    // The pre-filter has judged the packet already unless IPv6 extension
+    // headers hid its protocol.
+    let judged = pkt.l4 == l3 + core::mem::size_of::<F::Hdr>() || F::A::FAMILY == 4;
+    if !judged && !filter::maybe(cfg, FRONTENDS, &t.daddr) && !F::in_service_cidr(cfg, &t.daddr) {
         return Step::done(C::PASS, Event::Pass);
     }
-    let now = ct::now();
+    let now = ct::now_inline();
     if let Some(e) = ct::lookup::<F>(cfg, t, now) {
         // SAFETY: a map value pointer, valid for this run. The fields the
         // path needs are copied out; no reference outlives this block (touch
@@ -321,11 +344,43 @@ fn egress_inner<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
 #[inline(always)]
 fn egress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
     match kind(ctx) {
-        Kind::V4(l3) => egress_family::<C, V4>(ctx, cfg, l3),
-        Kind::V6(l3) => egress_family::<C, V6>(ctx, cfg, l3),
+        Kind::V4(l3) => egress_prefilter::<C, V4>(ctx, cfg, l3),
+        Kind::V6(l3) => egress_prefilter::<C, V6>(ctx, cfg, l3),
         Kind::Other => Step::done(C::PASS, Event::Pass),
         Kind::Malformed => Step::done(C::PASS, Event::Malformed),
     }
+}
+
+/// Whether a TCP, UDP or SCTP packet's addresses (source, destination)
+/// are `not_ours`. One bounds check for the fixed header, then plain reads
+/// (the verifier does not carry one failed check over to a longer one).
+#[inline(always)]
+fn passes_prefilter<C: Ctx, F: Family>(ctx: &C, l3: usize, not_ours: impl Fn(&F::A, &F::A) -> bool) -> bool {
+    let Some(h) = ptr_at::<C, F::Hdr>(ctx, l3) else {
+        return false;
+    };
+    let h = h as *const u8;
+    // SAFETY: offsets within the fixed header, whose bounds were checked.
+    let (p, saddr, daddr) = unsafe {
+        (
+            unaligned::read(h.add(F::PROTO)),
+            unaligned::read(h.add(F::SADDR) as *const F::A),
+            unaligned::read(h.add(F::DADDR) as *const F::A),
+        )
+    };
+    matches!(p, proto::TCP | proto::UDP | proto::SCTP) && not_ours(&saddr, &daddr)
+}
+
+/// As [`ingress_prefilter`], for egress: forward packets go to a backend,
+/// replies come from one; anything else passes here.
+#[inline(always)]
+fn egress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+    if passes_prefilter::<C, F>(ctx, l3, |saddr, daddr| {
+        !filter::maybe(cfg, BACKENDS, daddr) && !filter::maybe(cfg, BACKENDS, saddr)
+    }) {
+        return Step::done(C::PASS, Event::Pass);
+    }
+    egress_family::<C, F>(ctx, cfg, l3)
 }
 
 #[inline(never)]
@@ -344,7 +399,7 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step 
     if !to_backend && !from_backend {
         return Step::done(C::PASS, Event::Pass);
     }
-    let now = ct::now();
+    let now = ct::now_inline();
     // A masqueraded flow with its hashed port: found through its REP_IN
     // entry, from the packet alone. Forward: source → node : port (it
     // counted for its service where it entered).
