@@ -206,10 +206,11 @@ fn ingress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
 /// retbleed), which was the largest part of a passed packet's time.
 #[inline(always)]
 fn ingress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
-    if passes_prefilter::<C, F>(ctx, l3, |_, daddr| {
+    if let Some((_, daddr)) = fixed_addrs::<C, F>(ctx, l3)
         // Not a frontend, not a SNAT address, not in a service CIDR.
-        !filter::maybe(cfg, FRONTENDS, daddr) && !F::in_service_cidr(cfg, daddr)
-    }) {
+        && !filter::maybe(cfg, FRONTENDS, &daddr)
+        && !F::in_service_cidr(cfg, &daddr)
+    {
         return Step::done(C::PASS, Event::Pass);
     }
     ingress_family::<C, F>(ctx, cfg, l3)
@@ -351,15 +352,13 @@ fn egress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
     }
 }
 
-/// Whether a TCP, UDP or SCTP packet's addresses (source, destination)
-/// are `not_ours`. One bounds check for the fixed header, then plain reads
-/// (the verifier does not carry one failed check over to a longer one).
+/// The addresses (source, destination) of a TCP, UDP or SCTP packet, read
+/// from its fixed header under one bounds check (the verifier does not carry
+/// one failed check over to a longer one); `None` for any other packet.
+/// Not a closure: LLVM outlined one (a subprogram again) in the TC programs.
 #[inline(always)]
-fn passes_prefilter<C: Ctx, F: Family>(ctx: &C, l3: usize, not_ours: impl Fn(&F::A, &F::A) -> bool) -> bool {
-    let Some(h) = ptr_at::<C, F::Hdr>(ctx, l3) else {
-        return false;
-    };
-    let h = h as *const u8;
+fn fixed_addrs<C: Ctx, F: Family>(ctx: &C, l3: usize) -> Option<(F::A, F::A)> {
+    let h = ptr_at::<C, F::Hdr>(ctx, l3)? as *const u8;
     // SAFETY: offsets within the fixed header, whose bounds were checked.
     let (p, saddr, daddr) = unsafe {
         (
@@ -368,16 +367,17 @@ fn passes_prefilter<C: Ctx, F: Family>(ctx: &C, l3: usize, not_ours: impl Fn(&F:
             unaligned::read(h.add(F::DADDR) as *const F::A),
         )
     };
-    matches!(p, proto::TCP | proto::UDP | proto::SCTP) && not_ours(&saddr, &daddr)
+    matches!(p, proto::TCP | proto::UDP | proto::SCTP).then_some((saddr, daddr))
 }
 
 /// As [`ingress_prefilter`], for egress: forward packets go to a backend,
 /// replies come from one; anything else passes here.
 #[inline(always)]
 fn egress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
-    if passes_prefilter::<C, F>(ctx, l3, |saddr, daddr| {
-        !filter::maybe(cfg, BACKENDS, daddr) && !filter::maybe(cfg, BACKENDS, saddr)
-    }) {
+    if let Some((saddr, daddr)) = fixed_addrs::<C, F>(ctx, l3)
+        && !filter::maybe(cfg, BACKENDS, &daddr)
+        && !filter::maybe(cfg, BACKENDS, &saddr)
+    {
         return Step::done(C::PASS, Event::Pass);
     }
     egress_family::<C, F>(ctx, cfg, l3)
