@@ -13,6 +13,7 @@ pub mod addr;
 pub mod config;
 pub mod ct;
 pub mod filter;
+pub mod hint;
 pub mod lb;
 pub mod sctp;
 pub mod stats;

@@ -110,10 +110,14 @@ pub enum Event {
     /// sees. Egress hooks know a flow by that tuple alone, so the new one
     /// would be translated as the live one.
     DropTupleClash = 17,
+    /// Passed untouched by egress without a conntrack lookup: the ingress
+    /// hook that saw the packet on this node left a word saying that nothing is to be
+    /// done there (see [`crate::hint`]).
+    PassByIngress = 18,
 }
 
 impl Event {
-    pub const ALL: [Event; 18] = [
+    pub const ALL: [Event; 19] = [
         Event::Pass,
         Event::NewFlow,
         Event::Established,
@@ -132,6 +136,7 @@ impl Event {
         Event::UnsupportedProto,
         Event::DropRejectFailed,
         Event::DropTupleClash,
+        Event::PassByIngress,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -154,6 +159,7 @@ impl Event {
             Event::UnsupportedProto => "unsupported_proto",
             Event::DropRejectFailed => "drop_reject_failed",
             Event::DropTupleClash => "drop_tuple_clash",
+            Event::PassByIngress => "pass_by_ingress",
         }
     }
 

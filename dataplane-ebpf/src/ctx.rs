@@ -47,6 +47,9 @@ pub trait Ctx {
     type Verdict: Copy + Into<i64> + FromVerdict;
     const PASS: Self::Verdict;
     const DROP: Self::Verdict;
+    /// Whether [`Ctx::leave_hint`] reaches egress (TC), so that ingress
+    /// computes a word at all.
+    const HINTS: bool;
 
     fn data(&self) -> usize;
     fn data_end(&self) -> usize;
@@ -69,6 +72,13 @@ pub trait Ctx {
     /// Host routing: sends a translated packet straight to its route's
     /// device (see `route`); `None` leaves it to the stack. XDP does not.
     fn route(&self) -> Option<Self::Verdict>;
+
+    /// Ingress: leaves `word` on the packet for the egress hook (see
+    /// `dataplane_common::hint`); XDP has nowhere to leave it.
+    fn leave_hint(&self, word: u16);
+    /// Egress: the word ingress left (0: none), cleared on the packet so
+    /// that it does not travel on.
+    fn take_hint(&self) -> u16;
 
     /// Replaces the packet by an L2 header with swapped MAC addresses (tags
     /// kept) followed by `l3_frame`, and sends it back out of the device it
@@ -149,6 +159,7 @@ impl Ctx for XdpContext {
     type Verdict = u32;
     const PASS: u32 = XDP_PASS;
     const DROP: u32 = XDP_DROP;
+    const HINTS: bool = false;
 
     #[inline(always)]
     fn data(&self) -> usize {
@@ -232,6 +243,14 @@ impl Ctx for XdpContext {
     }
 
     #[inline(always)]
+    fn leave_hint(&self, _word: u16) {}
+
+    #[inline(always)]
+    fn take_hint(&self) -> u16 {
+        0
+    }
+
+    #[inline(always)]
     fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()> {
         let p = ptr_at::<_, T>(self, offset)?;
         // SAFETY: bounds checked by ptr_at.
@@ -285,6 +304,7 @@ impl Ctx for TcContext {
     type Verdict = i32;
     const PASS: i32 = TC_ACT_OK;
     const DROP: i32 = TC_ACT_SHOT;
+    const HINTS: bool = true;
 
     #[inline(always)]
     fn data(&self) -> usize {
@@ -349,6 +369,32 @@ impl Ctx for TcContext {
     #[inline(always)]
     fn route(&self) -> Option<i32> {
         crate::route::tc(self)
+    }
+
+    #[inline(always)]
+    fn leave_hint(&self, word: u16) {
+        // The kernel sets the skb's `tc_index` from `tc_classid` when a TC
+        // program passes a packet (TCX: all of it; clsact: its minor half),
+        // and leaves it alone when the program redirects it (host routing):
+        // both are written.
+        // SAFETY: the program's own context; both are fields a TC program
+        // may write.
+        unsafe {
+            (*self.skb.skb).tc_classid = word as u32;
+            (*self.skb.skb).tc_index = word as u32;
+        }
+    }
+
+    #[inline(always)]
+    fn take_hint(&self) -> u16 {
+        // SAFETY: as above. `tc_classid` is the skb's control block, which
+        // the IP layer used on the way here: cleared, so that the kernel
+        // leaves `tc_index` at 0 when this program passes the packet.
+        unsafe {
+            let word = (*self.skb.skb).tc_index as u16;
+            (*self.skb.skb).tc_classid = 0;
+            word
+        }
     }
 
     #[inline(always)]

@@ -13,6 +13,7 @@ use dataplane_common::{
     config::{DpConfig, config_flags},
     ct::{ct_flags, snat_port_hash},
     filter::{BACKENDS, FRONTENDS},
+    hint::{self, Hint},
     proto,
     stats::{Event, FlowStat, Hook},
 };
@@ -38,7 +39,9 @@ fn config() -> Option<&'static DpConfig> {
 /// What a side's path decided, packed into one register (a subprogram
 /// cannot return a struct: it would return a pointer into its own stack):
 /// the verdict, and either the event or what the entry point does next
-/// (with the family and the header offsets). Rejects, ICMP error
+/// (with the family and the header offsets), and for a done ingress step
+/// the word it leaves for egress (see `dataplane_common::hint`). Rejects,
+/// ICMP error
 /// translation and new flows run from the entry point, so that their stack
 /// frames do not add to the lookup path's.
 #[derive(Clone, Copy)]
@@ -52,6 +55,11 @@ impl Step {
     #[inline(always)]
     fn done<V: Into<i64>>(verdict: V, event: Event) -> Self {
         Self((verdict.into() as u32 as u64) << 32 | event as u64)
+    }
+    /// As [`Step::done`], leaving `word` for egress.
+    #[inline(always)]
+    fn done_hint<V: Into<i64>>(verdict: V, event: Event, word: u16) -> Self {
+        Self((verdict.into() as u32 as u64) << 32 | (word as u64) << 16 | event as u64)
     }
     #[inline(always)]
     fn next<A: Addr>(what: u64, pkt: &Pkt<A>, event: Event) -> Self {
@@ -80,6 +88,42 @@ impl Step {
     fn l4(self) -> usize {
         ((self.0 >> 24) & 0xff) as usize
     }
+    /// The word for egress (0 for a step that is not done).
+    #[inline(always)]
+    fn hint(self) -> u16 {
+        if self.what() == 0 {
+            (self.0 >> 16) as u16
+        } else {
+            0
+        }
+    }
+}
+
+/// The word telling egress that it has nothing to do for a packet going
+/// from `saddr` to `daddr` (`Hint::None`), or, when `saddr` may be a
+/// backend, that only a reply's explicit entry can apply to it
+/// (`Hint::ExplicitOnly`). 0 where no word reaches egress (XDP).
+#[inline(always)]
+fn untranslated_hint<C: Ctx, A: Addr>(cfg: &DpConfig, saddr: &A, daddr: &A) -> u16 {
+    if !C::HINTS {
+        return 0;
+    }
+    let h = if filter::maybe(cfg, BACKENDS, saddr) {
+        Hint::ExplicitOnly
+    } else {
+        Hint::None
+    };
+    hint::encode(h, saddr.fold(), daddr.fold())
+}
+
+/// The word for a forward packet translated for a flow kept unmasqueraded:
+/// egress has nothing to do (no SNAT; a reply it is not).
+#[inline(always)]
+fn dnat_only_hint<C: Ctx, A: Addr>(saddr: &A, daddr: &A) -> u16 {
+    if !C::HINTS {
+        return 0;
+    }
+    hint::encode(Hint::None, saddr.fold(), daddr.fold())
 }
 
 /// Runs the rest of a step from the entry point, counts the outcome and
@@ -122,6 +166,11 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
         _ => (C::Verdict::from_packed(step.0), step.event()),
     };
     stats::count_raw(hook, event, len);
+    // Always written: a word the packet brought from elsewhere must not
+    // reach egress.
+    if ingress {
+        ctx.leave_hint(step.hint());
+    }
     // Host routing: a packet translated on its way in (DNAT, or un-SNAT of
     // a reply) goes straight to its route's device.
     if ingress
@@ -206,12 +255,13 @@ fn ingress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
 /// retbleed), which was the largest part of a passed packet's time.
 #[inline(always)]
 fn ingress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
-    if let Some((_, daddr)) = fixed_addrs::<C, F>(ctx, l3)
+    if let Some((saddr, daddr)) = fixed_addrs::<C, F>(ctx, l3)
         // Not a frontend, not a SNAT address, not in a service CIDR.
         && !filter::maybe(cfg, FRONTENDS, &daddr)
         && !F::in_service_cidr(cfg, &daddr)
     {
-        return Step::done(C::PASS, Event::Pass);
+        let word = untranslated_hint::<C, F::A>(cfg, &saddr, &daddr);
+        return Step::done_hint(C::PASS, Event::Pass, word);
     }
     ingress_family::<C, F>(ctx, cfg, l3)
 }
@@ -239,7 +289,7 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
         // SAFETY: a map value pointer, valid for this run. The fields the
         // path needs are copied out; no reference outlives this block (touch
         // writes through `e` below).
-        let (role, closed, daddr, dport, service_id) = unsafe {
+        let (role, closed, daddr, dport, service_id, snat) = unsafe {
             let en = &*e;
             (
                 en.role(),
@@ -247,6 +297,7 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
                 en.nat_daddr,
                 en.nat_dport,
                 en.service_id,
+                en.flags & ct_flags::SNAT != 0,
             )
         };
         match role {
@@ -264,7 +315,12 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
                     return Step::done(C::PASS, Event::Reply);
                 }
                 stats::count_service(service_id, pkt.tot_len as u64);
-                return Step::done(C::PASS, Event::Established);
+                let word = if snat {
+                    0
+                } else {
+                    dnat_only_hint::<C, F::A>(&t.saddr, &daddr)
+                };
+                return Step::done_hint(C::PASS, Event::Established, word);
             }
             // The tuple is a known flow's, the other way round: not a new
             // flow of its own.
@@ -313,7 +369,12 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Ste
             match ctx.rewrite::<F>(pkt, Side::Dst, choice.backend.address, choice.backend.port) {
                 Some(()) => {
                     stats::count_service(choice.service_id, pkt.tot_len as u64);
-                    Step::done(C::PASS, event)
+                    let word = if choice.snat {
+                        0
+                    } else {
+                        dnat_only_hint::<C, F::A>(&pkt.tuple.saddr, &choice.backend.address)
+                    };
+                    Step::done_hint(C::PASS, event, word)
                 }
                 None => Step::done(C::PASS, Event::Malformed),
             }
@@ -371,20 +432,32 @@ fn fixed_addrs<C: Ctx, F: Family>(ctx: &C, l3: usize) -> Option<(F::A, F::A)> {
 }
 
 /// As [`ingress_prefilter`], for egress: forward packets go to a backend,
-/// replies come from one; anything else passes here.
+/// replies come from one; anything else passes here. Then the word ingress
+/// left (see `dataplane_common::hint`): nothing to do, or only the explicit
+/// entries to look at.
 #[inline(always)]
 fn egress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
-    if let Some((saddr, daddr)) = fixed_addrs::<C, F>(ctx, l3)
-        && !filter::maybe(cfg, BACKENDS, &daddr)
-        && !filter::maybe(cfg, BACKENDS, &saddr)
-    {
-        return Step::done(C::PASS, Event::Pass);
+    let word = ctx.take_hint();
+    let mut explicit_only = false;
+    if let Some((saddr, daddr)) = fixed_addrs::<C, F>(ctx, l3) {
+        if !filter::maybe(cfg, BACKENDS, &daddr) && !filter::maybe(cfg, BACKENDS, &saddr) {
+            return Step::done(C::PASS, Event::Pass);
+        }
+        if word != 0 {
+            match hint::decode(word, saddr.fold(), daddr.fold()) {
+                Hint::None => return Step::done(C::PASS, Event::PassByIngress),
+                Hint::ExplicitOnly => explicit_only = true,
+                Hint::Unknown => {}
+            }
+        }
     }
-    egress_family::<C, F>(ctx, cfg, l3)
+    egress_family::<C, F>(ctx, cfg, l3, explicit_only)
 }
 
+/// `explicit_only`: ingress did not translate the packet (see
+/// `Hint::ExplicitOnly`), so the hashed `REP_IN` entries cannot apply.
 #[inline(never)]
-fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit_only: bool) -> Step {
     let pkt = &match F::parse(ctx, l3) {
         Ok(p) => p,
         Err(other) => return unparsed::<C>(other),
@@ -399,6 +472,9 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step 
     if !to_backend && !from_backend {
         return Step::done(C::PASS, Event::Pass);
     }
+    // Ingress did not translate it: the hashed REP_IN entries cannot apply
+    // (their forward packets were DNATed, their replies un-SNATed there).
+    let (to_backend, from_backend) = (to_backend && !explicit_only, from_backend && !explicit_only);
     let now = ct::now_inline();
     // A masqueraded flow with its hashed port: found through its REP_IN
     // entry, from the packet alone. Forward: source → node : port (it

@@ -87,6 +87,17 @@ impl Sandbox {
             .collect()
     }
 
+    /// Packets node `node`'s egress passed on the ingress hook's word,
+    /// without a conntrack lookup.
+    fn passed_by_ingress(&self, node: usize) -> u64 {
+        self.nodes[node]
+            .datapath
+            .maps()
+            .counter(Event::PassByIngress)
+            .unwrap()
+            .packets
+    }
+
     fn report(&self) -> String {
         let mut out = String::new();
         for (i, n) in self.nodes.iter().enumerate() {
@@ -123,9 +134,44 @@ fn pod_reaches_cluster_ip_with_local_and_remote_backends_without_snat() {
         seen.insert(r.server);
     }
     assert_eq!(seen, set(&["a", "b"]), "local (a) and remote (b) backends");
+    // The forward packets of these unmasqueraded flows left node1 (to a's
+    // interface, or out to node2) on the word `tc_pod_ingress` left: no
+    // SNAT to look for. a's replies reached the client through egress's
+    // explicit lookup alone (the word says they were not un-SNATed), and
+    // got their frontend back: the requests above would fail otherwise.
+    assert!(s.passed_by_ingress(0) >= 30, "{}", s.report());
     // The pod sees the Service address it used.
     let c = TcpClient::connect(&s.cluster.pod("client").ns, dst).unwrap();
     drop(c);
+}
+
+#[test]
+fn traffic_straight_to_backend_pods_is_untouched_and_spared_egress_lookups() {
+    let mut s = Sandbox::new();
+    // a and b back a Service, so egress's address filter cannot pass their
+    // traffic on its own: the ingress hook's word does.
+    let svc = s.svc(1, &["a", "b"]);
+    s.program(&[&svc]);
+    // A flow through the Service first: its entries must not capture the
+    // direct traffic beside it.
+    let r = s.request_from("client", SocketAddrV4::new(CIP, 80)).unwrap();
+    assert_eq!(r.peer.ip(), s.cluster.pod("client").ip);
+    let before = (s.passed_by_ingress(0), s.passed_by_ingress(1));
+    for pod in ["a", "b"] {
+        let dst = SocketAddrV4::new(s.cluster.pod(pod).ip, TCP_PORT);
+        for i in 0..10 {
+            let r = s
+                .request_from("client", dst)
+                .unwrap_or_else(|e| panic!("request {i} to {pod}: {e}; {}", s.report()));
+            assert_eq!(r.server, pod);
+            assert_eq!(r.peer.ip(), s.cluster.pod("client").ip, "untranslated");
+        }
+    }
+    // Every request's forward packets: on node1 (to a, and out to node2
+    // for b) and on node2 (from its external device to b).
+    let after = (s.passed_by_ingress(0), s.passed_by_ingress(1));
+    assert!(after.0 - before.0 >= 20, "{before:?} {after:?}; {}", s.report());
+    assert!(after.1 - before.1 >= 10, "{before:?} {after:?}; {}", s.report());
 }
 
 #[test]

@@ -277,6 +277,9 @@ fn nodeport_local_policy_preserves_client_ip_and_drops_without_local_backend() {
             "eTP=Local: the backend sees the client's address"
         );
     }
+    // Forward packets of these unmasqueraded flows left node1 on the word
+    // its TC ingress left them: no SNAT, so no egress lookup.
+    assert!(s.counter(0, Event::PassByIngress) >= 10, "{}", s.report());
     // node2 has no local endpoint: new connections are dropped there.
     assert_tcp_dropped(&s, SocketAddrV4::new(s.node_ip(1), NODE_PORT));
     assert!(s.counter(1, Event::DropNoLocalEndpoint) >= 1, "{}", s.report());
