@@ -2,21 +2,23 @@
 //! sees it next on this node: the skb's `tc_index`. A TC program sets it
 //! through `tc_classid`, which the kernel copies into `tc_index` when the
 //! program passes the packet (TCX; clsact copies its low 16 bits), and
-//! directly for a packet it redirects. Nothing on the forwarding path in
-//! between reads or writes it. XDP has no skb to write to.
+//! directly for a packet it redirects. XDP has no skb to write to.
 //!
 //! The egress path needs conntrack lookups only for the packets it may have
 //! to rewrite: forward packets of masqueraded flows (SNAT) and replies
 //! (their frontend restored). Ingress knows more than egress about most
-//! packets: whether it translated one, and whether it looked the packet up
-//! already. The word tells egress which lookups it can leave out.
+//! packets: whether it translated one, and whether its source may be a
+//! backend. The word tells egress which lookups cannot apply.
 //!
 //! The word is a hint, never a command: a packet that carries no valid
-//! word (it entered through XDP, from a local socket, or through a device
-//! without our TC ingress) takes the full egress path, as does one whose
-//! addresses changed since ingress wrote it (netfilter NAT, encapsulation):
-//! the word's low 12 bits are a check over the addresses it was written
-//! for. The egress hook clears the word, so that it does not travel on.
+//! word takes the full egress path. Valid means: written by the ingress
+//! hook of the device the packet last came in through, for the addresses it
+//! still has. The low 12 bits are a check over the addresses ([`encode`]),
+//! mixed with that device's index ([`bind`]), so a packet received again
+//! after our hook (a tunnel's decapsulation, a bridge passing it up, another
+//! namespace) or rewritten (netfilter NAT) fails it. The egress hook clears
+//! the word, so that it does not travel on. docs/datapath.md has the rest:
+//! when external devices may leave a word at all.
 
 /// What ingress learnt about a packet, in the word's top 4 bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,6 +53,20 @@ pub const fn encode(hint: Hint, saddr: u32, daddr: u32) -> u16 {
         Hint::Unknown => 0,
         _ => (hint as u16) << 12 | check(saddr, daddr),
     }
+}
+
+/// Binds a word to the device whose ingress hook wrote it (`ifindex`), or
+/// unbinds it at egress with the device the packet last entered through
+/// (`skb_iif`): the check bits are mixed with the index, so a word read
+/// after the packet was received again (decapsulated from a tunnel, passed
+/// up from a bridge, moved to another namespace) fails the check. An
+/// involution; 0 stays 0.
+#[inline(always)]
+pub const fn bind(word: u16, ifindex: u32) -> u16 {
+    if word == 0 {
+        return 0;
+    }
+    word ^ (ifindex.wrapping_mul(0x85eb_ca6b) >> 20) as u16
 }
 
 /// The hint `word` carries for a packet with these (folded) addresses.
@@ -95,6 +111,25 @@ mod tests {
             .filter(|w| decode(*w, s, d) != Hint::Unknown)
             .count();
         assert_eq!(valid, 2);
+    }
+
+    #[test]
+    fn a_word_read_on_another_device_is_unknown() {
+        let (s, d) = (0x0a00_0001, 0x0a60_0001);
+        for h in [Hint::None, Hint::ExplicitOnly] {
+            for dev in 1..2048u32 {
+                let w = bind(encode(h, s, d), dev);
+                assert_eq!(decode(bind(w, dev), s, d), h);
+                for other in [dev + 1, dev + 2, dev ^ 0x40, dev + 1000] {
+                    assert_eq!(
+                        decode(bind(w, other), s, d),
+                        Hint::Unknown,
+                        "{dev} read on {other}"
+                    );
+                }
+            }
+        }
+        assert_eq!(bind(0, 7), 0);
     }
 
     #[test]

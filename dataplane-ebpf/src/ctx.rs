@@ -20,7 +20,7 @@ use aya_ebpf::{
     helpers::{bpf_redirect, bpf_skb_change_tail, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
     programs::{TcContext, XdpContext},
 };
-use dataplane_common::{addr::Addr, proto, sctp};
+use dataplane_common::{addr::Addr, hint, proto, sctp};
 
 use crate::{
     csum,
@@ -73,11 +73,13 @@ pub trait Ctx {
     /// device (see `route`); `None` leaves it to the stack. XDP does not.
     fn route(&self) -> Option<Self::Verdict>;
 
-    /// Ingress: leaves `word` on the packet for the egress hook (see
-    /// `dataplane_common::hint`); XDP has nowhere to leave it.
+    /// Ingress: leaves `word` on the packet for the egress hook, bound to
+    /// this device (see `dataplane_common::hint`); XDP has nowhere to leave
+    /// it.
     fn leave_hint(&self, word: u16);
-    /// Egress: the word ingress left (0: none), cleared on the packet so
-    /// that it does not travel on.
+    /// Egress: the word ingress left (0: none), unbound with the device the
+    /// packet came in through, and cleared on the packet so that it does
+    /// not travel on.
     fn take_hint(&self) -> u16;
 
     /// Replaces the packet by an L2 header with swapped MAC addresses (tags
@@ -378,10 +380,11 @@ impl Ctx for TcContext {
         // and leaves it alone when the program redirects it (host routing):
         // both are written.
         // SAFETY: the program's own context; both are fields a TC program
-        // may write.
+        // may write, `ifindex` one it may read.
         unsafe {
-            (*self.skb.skb).tc_classid = word as u32;
-            (*self.skb.skb).tc_index = word as u32;
+            let word = hint::bind(word, (*self.skb.skb).ifindex) as u32;
+            (*self.skb.skb).tc_classid = word;
+            (*self.skb.skb).tc_index = word;
         }
     }
 
@@ -393,7 +396,7 @@ impl Ctx for TcContext {
         unsafe {
             let word = (*self.skb.skb).tc_index as u16;
             (*self.skb.skb).tc_classid = 0;
-            word
+            hint::bind(word, (*self.skb.skb).ingress_ifindex)
         }
     }
 

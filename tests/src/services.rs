@@ -239,6 +239,9 @@ impl Cluster {
         config.service_cidrs = vec![SERVICE_CIDR.parse().unwrap()];
         // The node's own namespace is the "host" of connect-time translation.
         config.host_netns_cookie = n.ns().run(dataplane_agent::dataplane::current_netns_cookie);
+        // One external device, attached above: the agent's condition for
+        // letting it leave egress a word.
+        config.external_hints = true;
         datapath.maps_mut().set_config(&config).expect("write config");
         NodeDatapath {
             config,

@@ -184,6 +184,18 @@ fn traffic_follows_service_edits() {
         tcp_request(&s.cluster.client.ns, dst, "x")
             .is_ok_and(|r| r.server == "a" && r.peer.ip() == s.cluster.client.ip)
     });
+    // Those flows' forward packets came in through node1's external device,
+    // whose TC ingress left egress a word: the agent found no stacked
+    // external devices and let it (EXTERNAL_HINTS).
+    s.eventually(
+        "egress passes unmasqueraded forward packets on the ingress word",
+        || {
+            s.metric(
+                0,
+                "dataplane_packets_total{hook=\"tc_egress\",event=\"pass_by_ingress\"}",
+            ) > 0
+        },
+    );
 
     // Service deleted: the NodePort is no longer translated (the node itself
     // has no listener there: refused by its stack).

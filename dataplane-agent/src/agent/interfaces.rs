@@ -48,6 +48,10 @@ pub struct Link {
     pub up: bool,
     /// The bridge (or bond) this link is a port of (`IFLA_MASTER`).
     pub master: Option<u32>,
+    /// The link of this namespace it is stacked on (`IFLA_LINK`: a VLAN's,
+    /// macvlan's or ipvlan's parent); `None` when that link is in another
+    /// namespace (a veth's peer: `IFLA_LINK_NETNSID`) or is itself.
+    pub lower: Option<u32>,
     /// `veth`, `bridge`, `vxlan`, ... (`IFLA_INFO_KIND`; none for physical
     /// devices and loopback).
     pub kind: Option<String>,
@@ -129,16 +133,20 @@ fn link(m: LinkMessage) -> Link {
         name: String::new(),
         up: m.header.flags.contains(LinkFlags::Up),
         master: None,
+        lower: None,
         kind: None,
         xdp: None,
         mac: None,
     };
+    let mut other_netns = false;
     for a in m.attributes {
         match a {
             LinkAttribute::IfName(n) => out.name = n,
             LinkAttribute::Address(a) => out.mac = <[u8; 6]>::try_from(a.as_slice()).ok(),
             LinkAttribute::Xdp(xdp) => out.xdp = xdp_program(&xdp),
             LinkAttribute::Controller(i) if i != 0 => out.master = Some(i),
+            LinkAttribute::Link(i) if i != 0 && i != out.index => out.lower = Some(i),
+            LinkAttribute::LinkNetNsId(_) => other_netns = true,
             LinkAttribute::LinkInfo(infos) => {
                 for i in infos {
                     if let LinkInfo::Kind(k) = i {
@@ -148,6 +156,9 @@ fn link(m: LinkMessage) -> Link {
             }
             _ => {}
         }
+    }
+    if other_netns {
+        out.lower = None;
     }
     out
 }

@@ -230,6 +230,19 @@ pub fn external_devices(given: &[String], node_ips: &[IpAddr]) -> Result<Vec<Ext
     Ok(out)
 }
 
+/// Two of `devices` one of which receives what the other received (a VLAN,
+/// macvlan or ipvlan on its parent, a bond or bridge port under its
+/// master): a packet can pass the ingress hooks of both. `None` when no two
+/// are stacked (a device missing from `links` counts as stacked on nothing).
+pub fn stacked_devices(devices: &[String], links: &[Link]) -> Option<(String, String)> {
+    let ours: Vec<&Link> = links.iter().filter(|l| devices.contains(&l.name)).collect();
+    ours.iter().find_map(|upper| {
+        ours.iter()
+            .find(|lower| upper.lower == Some(lower.index) || lower.master == Some(upper.index))
+            .map(|lower| (lower.name.clone(), upper.name.clone()))
+    })
+}
+
 /// What a reachability check looked at: routes, attached interfaces' indexes,
 /// local endpoints.
 type CheckedState = (Vec<Route>, BTreeSet<u32>, BTreeMap<IpAddr, String>);
@@ -456,10 +469,38 @@ mod tests {
             name: name.into(),
             up: true,
             master,
+            lower: None,
             kind: kind.map(Into::into),
             xdp: None,
             mac: None,
         }
+    }
+
+    #[test]
+    fn stacked_external_devices_are_found_either_way_round() {
+        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let vlan = Link {
+            lower: Some(2),
+            ..link(5, "eth0.100", Some("vlan"), None)
+        };
+        let links = vec![
+            link(2, "eth0", None, Some(9)),
+            link(3, "eth1", None, None),
+            vlan,
+            link(9, "bond0", Some("bond"), None),
+        ];
+        assert_eq!(stacked_devices(&names(&["eth0", "eth1"]), &links), None);
+        assert_eq!(stacked_devices(&names(&["eth1", "bond0"]), &links), None);
+        assert_eq!(
+            stacked_devices(&names(&["eth0", "eth0.100"]), &links),
+            Some(("eth0".into(), "eth0.100".into()))
+        );
+        assert_eq!(
+            stacked_devices(&names(&["bond0", "eth0"]), &links),
+            Some(("eth0".into(), "bond0".into()))
+        );
+        // A VLAN on a device we are not attached to stacks on nothing.
+        assert_eq!(stacked_devices(&names(&["eth0.100", "eth1"]), &links), None);
     }
 
     fn route(dst: &str, len: u8, oif: u32, gateway: Option<&str>) -> Route {

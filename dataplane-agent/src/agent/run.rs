@@ -18,7 +18,7 @@ use super::{
     feed::{Feed, ManifestFeed},
     health::{self, HealthState, ServiceHealthServers},
     http,
-    interfaces::ChangeWatch,
+    interfaces::{self, ChangeWatch},
     kube_source::KubeSource,
     metrics::{self, Metrics},
     pod_interfaces::{self, ExternalDevice, PodInterfaces},
@@ -200,6 +200,26 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         }
         info!(device = %dev.name, why = %dev.why, kind = ?a.kind, ingress = a.ingress, replaced = a.how == Attached::Replaced, "attached the ingress path and tc_egress");
         dev.ingress = Some(a.ingress);
+    }
+    // The config written above leaves external devices' TC ingress without
+    // a word for egress while their programs change (an XDP/TC switch runs
+    // both for a moment); stacked devices keep it so (a packet through both
+    // could be translated by one and judged untranslated by the other).
+    let names: Vec<String> = external.iter().map(|d| d.name.clone()).collect();
+    match interfaces::links().map(|links| pod_interfaces::stacked_devices(&names, &links)) {
+        Ok(None) => {
+            let mut c = datapath_config(&cfg);
+            c.external_hints = true;
+            dp.maps_mut()
+                .set_config(&c)
+                .context("writing the datapath config")?;
+        }
+        Ok(Some((lower, upper))) => {
+            info!(%lower, %upper, "external devices are stacked: egress looks up every packet from them that may be ours");
+        }
+        Err(e) => {
+            warn!(error = %e, "cannot list links: egress looks up every packet from external devices that may be ours")
+        }
     }
     if let Some(cgroup) = &cfg.cgroup_path {
         let how = dp.attach_cgroup(cgroup).with_context(|| {

@@ -680,18 +680,19 @@ pub fn render(
         );
     }
     let find = |v: Variant, mode: Mode| rows.iter().rfind(|r| r.case.variant == v && r.case.mode == mode);
+    // A variant left out of this run (`--variants`) has no ratio.
     let ratio = |a: Option<&Row>, b: Option<&Row>| match (a, b) {
-        (Some(a), Some(b)) => a.rate.median / b.rate.median,
-        _ => f64::NAN,
+        (Some(a), Some(b)) => format!("{:.2}×", a.rate.median / b.rate.median),
+        _ => "not run".to_owned(),
     };
     let masq = find(Variant::Masqueraded, Mode::Close);
     let direct = find(Variant::Direct, Mode::Close);
     let _ = writeln!(
         md,
-        "\nGoals at {} Services (issue 11): new connections ≥ 0.95× direct: **{:.2}×**; ≥ 1.3× kube-proxy nftables: \
-         **{:.2}×**; non-service traffic ≥ 0.98× direct: **{:.2}×**; keep-alive ≥ 0.98× direct: **{:.2}×**; \
-         native XDP vs TC on veth for the same load: {:.2}×. With host routing (`--host-routing`): new connections \
-         **{:.2}×** direct, **{:.2}×** nftables; keep-alive **{:.2}×** direct; pod → ClusterIP {:.2}× pod → pod.",
+        "\nGoals at {} Services (issue 11): new connections ≥ 0.95× direct: **{}**; ≥ 1.3× kube-proxy nftables: \
+         **{}**; non-service traffic ≥ 0.98× direct: **{}**; keep-alive ≥ 0.98× direct: **{}**; \
+         native XDP vs TC on veth for the same load: {}. With host routing (`--host-routing`): new connections \
+         **{}** direct, **{}** nftables; keep-alive **{}** direct; pod → ClusterIP {} pod → pod.",
         masq.map_or(0, |r| r.case.services),
         ratio(masq, direct),
         ratio(masq, find(Variant::Nftables, Mode::Close)),
