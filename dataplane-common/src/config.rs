@@ -162,11 +162,6 @@ pub mod config_flags {
     /// the device the kernel's FIB names for their new destination,
     /// skipping the node's IP stack (see `dataplane-ebpf/src/route.rs`).
     pub const HOST_ROUTING: u32 = 1 << 4;
-    /// `tc_ingress` on external devices leaves egress its word (see
-    /// `crate::hint`): set by the agent once no packet can pass two of our
-    /// ingress hooks (no attached external device stacked on another, no
-    /// XDP/TC switch under way). `tc_pod_ingress` always leaves it.
-    pub const EXTERNAL_HINTS: u32 = 1 << 5;
 }
 
 impl DpConfig {

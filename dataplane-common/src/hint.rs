@@ -11,14 +11,16 @@
 //! backend. The word tells egress which lookups cannot apply.
 //!
 //! The word is a hint, never a command: a packet that carries no valid
-//! word takes the full egress path. Valid means: written by the ingress
-//! hook of the device the packet last came in through, for the addresses it
-//! still has. The low 12 bits are a check over the addresses ([`encode`]),
-//! mixed with that device's index ([`bind`]), so a packet received again
-//! after our hook (a tunnel's decapsulation, a bridge passing it up, another
-//! namespace) or rewritten (netfilter NAT) fails it. The egress hook clears
-//! the word, so that it does not travel on. docs/datapath.md has the rest:
-//! when external devices may leave a word at all.
+//! word takes the full egress path. Valid means: the device the packet
+//! last came in through (`skb_iif`) is one the agent marked in
+//! [`crate::names::HINT_DEVICES`] (our TC ingress runs on it, writing a word
+//! on every packet, and no other ingress hook of ours can have seen the
+//! packet before: see docs/datapath.md), and the word's low 12 bits, a
+//! check over the addresses ([`encode`]), still match (netfilter NAT in
+//! between fails it). A packet received again after our hook (a tunnel's
+//! decapsulation, a bridge passing it up, another namespace) has another
+//! `skb_iif`, whose bit is clear unless our hook runs there too. The egress
+//! hook zeroes the word (through `tc_classid`) as it passes the packet.
 
 /// What ingress learnt about a packet, in the word's top 4 bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,18 +57,19 @@ pub const fn encode(hint: Hint, saddr: u32, daddr: u32) -> u16 {
     }
 }
 
-/// Binds a word to the device whose ingress hook wrote it (`ifindex`), or
-/// unbinds it at egress with the device the packet last entered through
-/// (`skb_iif`): the check bits are mixed with the index, so a word read
-/// after the packet was received again (decapsulated from a tunnel, passed
-/// up from a bridge, moved to another namespace) fails the check. An
-/// involution; 0 stays 0.
+/// Words of [`crate::names::HINT_DEVICES`]: one bit per device index
+/// below 2^20 (device indexes grow as pods come and go; a device above
+/// that leaves no word egress trusts).
+pub const DEVICE_WORDS: u32 = 1 << 14;
+
+/// The word and bit of `ifindex` in [`crate::names::HINT_DEVICES`];
+/// `None` beyond the bitmap (and for 0, no device).
 #[inline(always)]
-pub const fn bind(word: u16, ifindex: u32) -> u16 {
-    if word == 0 {
-        return 0;
+pub const fn device_slot(ifindex: u32) -> Option<(u32, u64)> {
+    if ifindex == 0 || ifindex >= DEVICE_WORDS * 64 {
+        return None;
     }
-    word ^ (ifindex.wrapping_mul(0x85eb_ca6b) >> 20) as u16
+    Some((ifindex / 64, 1 << (ifindex % 64)))
 }
 
 /// The hint `word` carries for a packet with these (folded) addresses.
@@ -114,22 +117,15 @@ mod tests {
     }
 
     #[test]
-    fn a_word_read_on_another_device_is_unknown() {
-        let (s, d) = (0x0a00_0001, 0x0a60_0001);
-        for h in [Hint::None, Hint::ExplicitOnly] {
-            for dev in 1..2048u32 {
-                let w = bind(encode(h, s, d), dev);
-                assert_eq!(decode(bind(w, dev), s, d), h);
-                for other in [dev + 1, dev + 2, dev ^ 0x40, dev + 1000] {
-                    assert_eq!(
-                        decode(bind(w, other), s, d),
-                        Hint::Unknown,
-                        "{dev} read on {other}"
-                    );
-                }
-            }
-        }
-        assert_eq!(bind(0, 7), 0);
+    fn device_slots_cover_the_bitmap_only() {
+        assert_eq!(device_slot(0), None);
+        assert_eq!(device_slot(1), Some((0, 2)));
+        assert_eq!(device_slot(64), Some((1, 1)));
+        assert_eq!(
+            device_slot(DEVICE_WORDS * 64 - 1),
+            Some((DEVICE_WORDS - 1, 1 << 63))
+        );
+        assert_eq!(device_slot(DEVICE_WORDS * 64), None);
     }
 
     #[test]

@@ -32,6 +32,9 @@ pub mod names {
     pub const CONFIG: &str = "DP_CONFIG_V3";
     /// Bitmaps of the addresses the hooks act on ([`crate::filter`]).
     pub const ADDR_FILTER: &str = "DP_ADDR_FILTER_V2";
+    /// Bitmap of the devices whose ingress word egress may trust
+    /// ([`crate::hint::device_slot`]).
+    pub const HINT_DEVICES: &str = "DP_HINT_DEVICES_V1";
     /// Per-CPU SNAT port cursor per backend id (fallback port search).
     pub const SNAT_CURSORS: &str = "DP_SNAT_CURSORS_V1";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by
@@ -57,9 +60,10 @@ pub mod names {
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
 
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 19] = [
+    pub const ALL_MAPS: [&str; 20] = [
         CONFIG,
         ADDR_FILTER,
+        HINT_DEVICES,
         SNAT_CURSORS,
         FLOW_STATS,
         LB4_BACKENDS,

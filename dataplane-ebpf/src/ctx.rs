@@ -73,13 +73,12 @@ pub trait Ctx {
     /// device (see `route`); `None` leaves it to the stack. XDP does not.
     fn route(&self) -> Option<Self::Verdict>;
 
-    /// Ingress: leaves `word` on the packet for the egress hook, bound to
-    /// this device (see `dataplane_common::hint`); XDP has nowhere to leave
-    /// it.
+    /// Ingress: leaves `word` on the packet for the egress hook (see
+    /// `dataplane_common::hint`); XDP has nowhere to leave it.
     fn leave_hint(&self, word: u16);
-    /// Egress: the word ingress left (0: none), unbound with the device the
-    /// packet came in through, and cleared on the packet so that it does
-    /// not travel on.
+    /// Egress: the word ingress left, if the device the packet came in
+    /// through is one whose word may be trusted (0 otherwise), cleared on
+    /// the packet so that it does not travel on.
     fn take_hint(&self) -> u16;
 
     /// Replaces the packet by an L2 header with swapped MAC addresses (tags
@@ -380,11 +379,10 @@ impl Ctx for TcContext {
         // and leaves it alone when the program redirects it (host routing):
         // both are written.
         // SAFETY: the program's own context; both are fields a TC program
-        // may write, `ifindex` one it may read.
+        // may write.
         unsafe {
-            let word = hint::bind(word, (*self.skb.skb).ifindex) as u32;
-            (*self.skb.skb).tc_classid = word;
-            (*self.skb.skb).tc_index = word;
+            (*self.skb.skb).tc_classid = word as u32;
+            (*self.skb.skb).tc_index = word as u32;
         }
     }
 
@@ -393,10 +391,19 @@ impl Ctx for TcContext {
         // SAFETY: as above. `tc_classid` is the skb's control block, which
         // the IP layer used on the way here: cleared, so that the kernel
         // leaves `tc_index` at 0 when this program passes the packet.
-        unsafe {
+        let (word, iif) = unsafe {
             let word = (*self.skb.skb).tc_index as u16;
             (*self.skb.skb).tc_classid = 0;
-            hint::bind(word, (*self.skb.skb).ingress_ifindex)
+            (word, (*self.skb.skb).ingress_ifindex)
+        };
+        // Trusted only from a device the agent marked.
+        match hint::device_slot(iif) {
+            Some((w, bit))
+                if word != 0 && crate::maps::HINT_DEVICES.get(w).is_some_and(|v| *v & bit != 0) =>
+            {
+                word
+            }
+            _ => 0,
         }
     }
 

@@ -12,6 +12,7 @@ use dataplane_common::{
         Sock6RevValue,
     },
     filter::FILTER_WORDS,
+    hint::DEVICE_WORDS,
     lb::{
         Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName,
         Lb4SourceRangeData, Lb6AffinityKey, Lb6Backend, Lb6ServiceKey, Lb6SourceRangeData,
@@ -26,6 +27,10 @@ pub static CONFIG: Array<DpConfig> = Array::with_max_entries(1, 0);
 /// Agent-written bitmaps of the addresses the hooks act on.
 #[map(name = "DP_ADDR_FILTER_V2")]
 pub static ADDR_FILTER: Array<u64> = Array::with_max_entries(2 * FILTER_WORDS, 0);
+
+/// Agent-written bitmap of the devices whose ingress word egress trusts.
+#[map(name = "DP_HINT_DEVICES_V1")]
+pub static HINT_DEVICES: Array<u64> = Array::with_max_entries(DEVICE_WORDS, 0);
 
 #[map(name = "LB4_SERVICES_V1")]
 pub static SERVICES: HashMap<Lb4ServiceKey, Lb4Service> =

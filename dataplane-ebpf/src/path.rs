@@ -167,12 +167,10 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
     };
     stats::count_raw(hook, event, len);
     // Always written: a word the packet brought from elsewhere must not
-    // reach egress. External devices leave one only once the agent knows
-    // no packet passes two of our ingress hooks (one could have translated
-    // what the other then judges untranslated).
+    // reach egress. (Whether egress trusts it is the agent's call, per
+    // device: see `dataplane_common::hint`.)
     if ingress {
-        let leave = hook == Hook::TcPodIngress || cfg.flags & config_flags::EXTERNAL_HINTS != 0;
-        ctx.leave_hint(if leave { step.hint() } else { 0 });
+        ctx.leave_hint(step.hint());
     }
     // Host routing: a packet translated on its way in (DNAT, or un-SNAT of
     // a reply) goes straight to its route's device.

@@ -14,6 +14,16 @@ use std::{
     process::{Command, Stdio},
 };
 
+/// The index of device `name` in the calling thread's network namespace
+/// (run it inside the namespace); panics when there is no such device.
+pub fn ifindex(name: &str) -> u32 {
+    let c = std::ffi::CString::new(name).expect("device name");
+    // SAFETY: a NUL-terminated string that outlives the call.
+    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    assert_ne!(i, 0, "no device {name}: {}", std::io::Error::last_os_error());
+    i
+}
+
 /// Runs `ip` with `args` and panics with its stderr on failure.
 pub fn ip(args: &[&str]) {
     run_checked(Command::new("ip").args(args), &format!("ip {}", args.join(" ")));

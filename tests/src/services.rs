@@ -225,23 +225,34 @@ impl Cluster {
             .filter(|p| p.node == node)
             .map(|p| p.host_veth.clone())
             .collect();
-        n.ns()
-            .run(|| -> Result<(), dataplane_agent::dataplane::DatapathError> {
-                datapath.attach_external(EXTERNAL_DEVICE, xdp_mode)?;
+        let trusted = n
+            .ns()
+            .run(|| -> Result<_, dataplane_agent::dataplane::DatapathError> {
+                let external = datapath.attach_external(EXTERNAL_DEVICE, xdp_mode)?;
                 for veth in &pod_veths {
                     datapath.attach_pod_interface(veth)?;
                 }
-                Ok(())
+                // As the agent: egress trusts the ingress word of the devices
+                // where our TC ingress runs (none of them stacked here).
+                let tc_external = (external.ingress == dataplane_common::names::TC_INGRESS)
+                    .then_some(EXTERNAL_DEVICE.to_owned());
+                Ok(pod_veths
+                    .iter()
+                    .cloned()
+                    .chain(tc_external)
+                    .map(|d| crate::netns::ifindex(&d))
+                    .collect::<std::collections::BTreeSet<u32>>())
             })
             .expect("attach the datapath");
+        datapath
+            .maps_mut()
+            .set_hint_devices(&trusted)
+            .expect("write the trusted devices");
         let mut config = DatapathConfig::new(n.ip());
         config.cluster_cidr = Some(CLUSTER_CIDR.parse::<Ipv4Cidr>().unwrap());
         config.service_cidrs = vec![SERVICE_CIDR.parse().unwrap()];
         // The node's own namespace is the "host" of connect-time translation.
         config.host_netns_cookie = n.ns().run(dataplane_agent::dataplane::current_netns_cookie);
-        // One external device, attached above: the agent's condition for
-        // letting it leave egress a word.
-        config.external_hints = true;
         datapath.maps_mut().set_config(&config).expect("write config");
         NodeDatapath {
             config,

@@ -281,11 +281,14 @@ fn nodeport_local_policy_preserves_client_ip_and_drops_without_local_backend() {
     // its TC ingress left them: no SNAT, so no egress lookup.
     let passed = s.counter(0, Event::PassByIngress);
     assert!(passed >= 10, "{}", s.report());
-    // Without EXTERNAL_HINTS (what the agent writes while external devices'
-    // programs change, or when two are stacked) the external device leaves
-    // no word, and egress looks again: the same flows, no fewer served.
-    s.nodes[0].config.external_hints = false;
-    s.nodes[0].reconfigure();
+    // Trusting no device's word (what the agent writes while external
+    // devices' programs change, and for devices stacked with another hook),
+    // egress looks again: the same flows, no fewer served.
+    s.nodes[0]
+        .datapath
+        .maps_mut()
+        .set_hint_devices(&Default::default())
+        .unwrap();
     for i in 0..5 {
         let r = tcp_request(
             &s.cluster.client.ns,

@@ -230,17 +230,47 @@ pub fn external_devices(given: &[String], node_ips: &[IpAddr]) -> Result<Vec<Ext
     Ok(out)
 }
 
-/// Two of `devices` one of which receives what the other received (a VLAN,
-/// macvlan or ipvlan on its parent, a bond or bridge port under its
-/// master): a packet can pass the ingress hooks of both. `None` when no two
-/// are stacked (a device missing from `links` counts as stacked on nothing).
-pub fn stacked_devices(devices: &[String], links: &[Link]) -> Option<(String, String)> {
-    let ours: Vec<&Link> = links.iter().filter(|l| devices.contains(&l.name)).collect();
-    ours.iter().find_map(|upper| {
-        ours.iter()
-            .find(|lower| upper.lower == Some(lower.index) || lower.master == Some(upper.index))
-            .map(|lower| (lower.name.clone(), upper.name.clone()))
-    })
+/// The devices whose ingress word egress may trust (see
+/// `dataplane_common::hint`): those of `tc` (our TC ingress runs there,
+/// writing a word on every packet) that share no stack with another device
+/// an ingress hook of ours, or any XDP program, may run on. On a stack (a
+/// VLAN, macvlan or ipvlan on its parent, a bond or bridge over its ports,
+/// at any depth) a packet passes the lower device's hook and then the
+/// upper's, and the first could translate what the second judges
+/// untranslated. Empty when a device of `tc` or `xdp` is not among `links`.
+pub fn hint_devices(links: &[Link], tc: &[String], xdp: &[String]) -> BTreeSet<u32> {
+    let index = |name: &String| links.iter().find(|l| &l.name == name).map(|l| l.index);
+    let (Some(tc), Some(mut hooked)) = (
+        tc.iter().map(index).collect::<Option<Vec<u32>>>(),
+        tc.iter().chain(xdp).map(index).collect::<Option<BTreeSet<u32>>>(),
+    ) else {
+        return BTreeSet::new();
+    };
+    hooked.extend(links.iter().filter(|l| l.xdp.is_some()).map(|l| l.index));
+    // Every device a packet received on `top` may have been received on
+    // first: its parent, its ports, theirs...
+    let below = |top: u32| {
+        let mut seen = BTreeSet::new();
+        let mut todo = vec![top];
+        while let Some(i) = todo.pop() {
+            let parent = links.iter().find(|l| l.index == i).and_then(|l| l.lower);
+            let ports = links.iter().filter(|l| l.master == Some(i)).map(|l| l.index);
+            for d in parent.into_iter().chain(ports) {
+                if seen.insert(d) {
+                    todo.push(d);
+                }
+            }
+        }
+        seen
+    };
+    tc.into_iter()
+        .filter(|&d| {
+            let under = below(d);
+            !hooked
+                .iter()
+                .any(|&h| h != d && (under.contains(&h) || below(h).contains(&d)))
+        })
+        .collect()
 }
 
 /// What a reachability check looked at: routes, attached interfaces' indexes,
@@ -252,6 +282,11 @@ pub struct PodInterfaces {
     /// `--pod-interfaces`: when not empty, only these patterns are used.
     patterns: Vec<String>,
     external: Vec<String>,
+    /// External devices whose ingress path runs in TC, and in XDP.
+    external_tc: Vec<String>,
+    external_xdp: Vec<String>,
+    /// The devices egress trusts the ingress word of, as last written.
+    hint_devices: Option<BTreeSet<u32>>,
     attached: BTreeMap<String, PodInterface>,
     local_endpoints: BTreeMap<IpAddr, String>,
     unreachable: Vec<UnreachableEndpoint>,
@@ -280,6 +315,9 @@ impl PodInterfaces {
         Self {
             patterns,
             external,
+            external_tc: Vec::new(),
+            external_xdp: Vec::new(),
+            hint_devices: None,
             attached: BTreeMap::new(),
             local_endpoints: BTreeMap::new(),
             unreachable: Vec::new(),
@@ -287,6 +325,21 @@ impl PodInterfaces {
             watch,
             pending: true,
         }
+    }
+
+    /// The external devices attached, and which ingress program each runs
+    /// (for the devices whose ingress word egress trusts).
+    pub fn set_external_hooks(&mut self, external: &[ExternalDevice]) {
+        let named = |hook: &str| {
+            external
+                .iter()
+                .filter(|d| d.ingress == Some(hook))
+                .map(|d| d.name.clone())
+                .collect()
+        };
+        self.external_tc = named(dataplane_common::names::TC_INGRESS);
+        self.external_xdp = named(dataplane_common::names::XDP_INGRESS);
+        self.pending = true;
     }
 
     /// The notification socket, for a caller that waits on it (the agent's
@@ -324,6 +377,7 @@ impl PodInterfaces {
             };
         let before = (self.attached.clone(), self.unreachable.clone());
         self.attach(dp, &links, &addresses, &routes);
+        self.trust_words(dp, &links);
         self.check_endpoints(&links, routes);
         before != (self.attached.clone(), self.unreachable.clone())
     }
@@ -367,6 +421,36 @@ impl PodInterfaces {
                 Err(e) => {
                     warn!(interface = %name, why = %why, error = %e, "cannot attach to pod interface; will retry")
                 }
+            }
+        }
+    }
+
+    /// Tells egress whose ingress word to trust: the attached pod
+    /// interfaces and TC external devices on no stack with another hook.
+    fn trust_words(&mut self, dp: &mut Datapath, links: &[Link]) {
+        let tc: Vec<String> = self
+            .external_tc
+            .iter()
+            .chain(self.attached.keys())
+            .cloned()
+            .collect();
+        let set = hint_devices(links, &tc, &self.external_xdp);
+        if self.hint_devices.as_ref() == Some(&set) {
+            return;
+        }
+        match dp.maps_mut().set_hint_devices(&set) {
+            Ok(_) => {
+                let left_out: Vec<&String> = tc
+                    .iter()
+                    .filter(|n| !links.iter().any(|l| &&l.name == n && set.contains(&l.index)))
+                    .collect();
+                if !left_out.is_empty() {
+                    info!(devices = ?left_out, "egress does not trust these devices' ingress word (a stack with another ingress hook): it looks their packets up");
+                }
+                self.hint_devices = Some(set);
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot write the devices whose ingress word egress trusts; will retry")
             }
         }
     }
@@ -477,30 +561,49 @@ mod tests {
     }
 
     #[test]
-    fn stacked_external_devices_are_found_either_way_round() {
+    fn egress_trusts_the_word_of_devices_on_no_stack_with_another_hook() {
         let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let vlan = Link {
-            lower: Some(2),
-            ..link(5, "eth0.100", Some("vlan"), None)
+        let on = |index, name, lower| Link {
+            lower: Some(lower),
+            ..link(index, name, Some("vlan"), None)
         };
         let links = vec![
             link(2, "eth0", None, Some(9)),
-            link(3, "eth1", None, None),
-            vlan,
+            link(3, "eth1", None, Some(9)),
+            link(4, "eth2", None, None),
+            on(5, "eth2.100", 4),
             link(9, "bond0", Some("bond"), None),
+            on(10, "bond0.7", 9),
+            link(20, "veth1", Some("veth"), None),
+            link(21, "veth2", Some("veth"), Some(30)),
+            link(30, "cni0", Some("bridge"), None),
         ];
-        assert_eq!(stacked_devices(&names(&["eth0", "eth1"]), &links), None);
-        assert_eq!(stacked_devices(&names(&["eth1", "bond0"]), &links), None);
+        let set = |v: &[u32]| v.iter().copied().collect::<BTreeSet<u32>>();
+        // Side by side: every one.
         assert_eq!(
-            stacked_devices(&names(&["eth0", "eth0.100"]), &links),
-            Some(("eth0".into(), "eth0.100".into()))
+            hint_devices(&links, &names(&["eth2", "veth1", "veth2"]), &[]),
+            set(&[4, 20, 21])
         );
+        // A VLAN in TC on a parent in XDP (auto mode on a NIC): not the VLAN.
         assert_eq!(
-            stacked_devices(&names(&["bond0", "eth0"]), &links),
-            Some(("eth0".into(), "bond0".into()))
+            hint_devices(&links, &names(&["eth2.100", "veth1"]), &names(&["eth2"])),
+            set(&[20])
         );
-        // A VLAN on a device we are not attached to stacks on nothing.
-        assert_eq!(stacked_devices(&names(&["eth0.100", "eth1"]), &links), None);
+        // Both in TC: neither.
+        assert_eq!(hint_devices(&links, &names(&["eth2", "eth2.100"]), &[]), set(&[]));
+        // Two levels: a port of a bond and a VLAN on the bond.
+        assert_eq!(hint_devices(&links, &names(&["eth0", "bond0.7"]), &[]), set(&[]));
+        // A bridge port and its bridge (--pod-interfaces patterns).
+        assert_eq!(hint_devices(&links, &names(&["veth2", "cni0"]), &[]), set(&[]));
+        // An XDP program we did not attach (an earlier run's) counts.
+        let mut with_xdp = links.clone();
+        with_xdp[2].xdp = Some(interfaces::XdpProgram {
+            id: 7,
+            mode: interfaces::XdpAttachMode::Native,
+        });
+        assert_eq!(hint_devices(&with_xdp, &names(&["eth2.100"]), &[]), set(&[]));
+        // A name that is not a link: nothing is trusted.
+        assert_eq!(hint_devices(&links, &names(&["eth2", "nope"]), &[]), set(&[]));
     }
 
     fn route(dst: &str, len: u8, oif: u32, gateway: Option<&str>) -> Route {

@@ -18,7 +18,7 @@ use super::{
     feed::{Feed, ManifestFeed},
     health::{self, HealthState, ServiceHealthServers},
     http,
-    interfaces::{self, ChangeWatch},
+    interfaces::ChangeWatch,
     kube_source::KubeSource,
     metrics::{self, Metrics},
     pod_interfaces::{self, ExternalDevice, PodInterfaces},
@@ -191,6 +191,13 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
     );
     let syncer = Syncer::adopt(&adopted, &cfg.node_name, cfg.max_services, cfg.max_backends);
     drop(adopted);
+    // Egress trusts no device's ingress word while the programs change (an
+    // XDP/TC switch runs both on a device for a moment, and one could
+    // translate a packet the other then judges untranslated); the pod
+    // interfaces' first poll below names the devices it trusts.
+    dp.maps_mut()
+        .set_hint_devices(&Default::default())
+        .context("clearing the devices whose ingress word egress trusts")?;
     for dev in &mut external {
         let a = dp
             .attach_external(&dev.name, cfg.xdp_mode)
@@ -200,26 +207,6 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         }
         info!(device = %dev.name, why = %dev.why, kind = ?a.kind, ingress = a.ingress, replaced = a.how == Attached::Replaced, "attached the ingress path and tc_egress");
         dev.ingress = Some(a.ingress);
-    }
-    // The config written above leaves external devices' TC ingress without
-    // a word for egress while their programs change (an XDP/TC switch runs
-    // both for a moment); stacked devices keep it so (a packet through both
-    // could be translated by one and judged untranslated by the other).
-    let names: Vec<String> = external.iter().map(|d| d.name.clone()).collect();
-    match interfaces::links().map(|links| pod_interfaces::stacked_devices(&names, &links)) {
-        Ok(None) => {
-            let mut c = datapath_config(&cfg);
-            c.external_hints = true;
-            dp.maps_mut()
-                .set_config(&c)
-                .context("writing the datapath config")?;
-        }
-        Ok(Some((lower, upper))) => {
-            info!(%lower, %upper, "external devices are stacked: egress looks up every packet from them that may be ours");
-        }
-        Err(e) => {
-            warn!(error = %e, "cannot list links: egress looks up every packet from external devices that may be ours")
-        }
     }
     if let Some(cgroup) = &cfg.cgroup_path {
         let how = dp.attach_cgroup(cgroup).with_context(|| {
@@ -235,6 +222,7 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         );
     }
     let mut pods = PodInterfaces::new(cfg.pod_interfaces.clone(), cfg.devices.clone());
+    pods.set_external_hooks(&external);
     // Notifications wake the control loop, which rescans.
     if let Some(watch) = pods.take_watch() {
         watch_links(watch, events_tx.clone());

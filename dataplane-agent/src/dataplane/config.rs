@@ -34,10 +34,6 @@ pub struct DatapathConfig {
     /// Packets translated by the TC ingress paths go straight to the device
     /// of their route ([`config_flags::HOST_ROUTING`]).
     pub host_routing: bool,
-    /// `tc_ingress` on external devices leaves egress its word
-    /// ([`config_flags::EXTERNAL_HINTS`]): only once no packet can pass two
-    /// of our ingress hooks.
-    pub external_hints: bool,
     /// The node's network namespace cookie (this process's, by default).
     pub host_netns_cookie: u64,
 }
@@ -133,7 +129,6 @@ impl DatapathConfig {
             timeouts: CtTimeouts::default(),
             socket_lb_host_only: false,
             host_routing: false,
-            external_hints: false,
             host_netns_cookie: current_netns_cookie(),
         }
     }
@@ -177,9 +172,6 @@ impl DatapathConfig {
         }
         if self.host_routing {
             flags |= config_flags::HOST_ROUTING;
-        }
-        if self.external_hints {
-            flags |= config_flags::EXTERNAL_HINTS;
         }
         let snat_hash_seed = if previous.flags & config_flags::CONFIGURED != 0 {
             previous.snat_hash_seed

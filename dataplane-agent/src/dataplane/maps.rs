@@ -10,6 +10,7 @@ use dataplane_common::{
     addr::{Addr, Ip6},
     config::{DpConfig, config_flags},
     ct::{Ct4Entry, Ct4Key, Ct6Entry, Ct6Key},
+    hint,
     lb::{Lb4AffinityValue, Lb4Service, Lb4ServiceName, LbServiceKey},
     names,
     stats::{Counter, Event, FlowStat, Hook, counter_index},
@@ -41,6 +42,9 @@ pub struct LbMaps {
     pub(super) sock_revnat: Map<dataplane_common::ct::Sock4RevKey, dataplane_common::ct::Sock4RevValue>,
     pub(super) sock_revnat6: Map<dataplane_common::ct::Sock6RevKey, dataplane_common::ct::Sock6RevValue>,
     pub(super) addr_filter: Array<MapData, u64>,
+    pub(super) hint_devices: Array<MapData, u64>,
+    /// What `hint_devices` holds, once read (see `set_hint_devices`).
+    pub(super) hint_shadow: Option<Vec<u64>>,
     pub(super) flow_stats: PerCpuArray<MapData, Counter>,
     /// The filter's shadow copy and reference counts (see `filter`).
     pub(super) filter: AddressFilter,
@@ -112,6 +116,42 @@ impl LbMaps {
             ..abi
         };
         self.config.set(0, abi, 0).map_err(err(names::CONFIG))
+    }
+
+    /// Makes `devices` (indexes) exactly the devices whose ingress word
+    /// egress trusts (see `dataplane_common::hint`); devices beyond the
+    /// bitmap are left out. Writes only the words that change (the map is
+    /// read once). Returns how many it wrote.
+    pub fn set_hint_devices(
+        &mut self,
+        devices: &std::collections::BTreeSet<u32>,
+    ) -> Result<usize, DatapathError> {
+        let name = names::HINT_DEVICES;
+        let shadow = match self.hint_shadow.take() {
+            Some(s) => s,
+            None => (0..hint::DEVICE_WORDS)
+                .map(|i| self.hint_devices.get(&i, 0).map_err(err(name)))
+                .collect::<Result<Vec<u64>, _>>()?,
+        };
+        let mut want = vec![0u64; hint::DEVICE_WORDS as usize];
+        for (w, bit) in devices.iter().filter_map(|d| hint::device_slot(*d)) {
+            want[w as usize] |= bit;
+        }
+        let mut written = 0;
+        let mut result = Ok(());
+        let mut now = shadow;
+        for (i, (have, want)) in now.iter_mut().zip(&want).enumerate() {
+            if have != want {
+                if let Err(e) = self.hint_devices.set(i as u32, *want, 0) {
+                    result = Err(err(name)(e));
+                    break;
+                }
+                *have = *want;
+                written += 1;
+            }
+        }
+        self.hint_shadow = Some(now);
+        result.map(|()| written)
     }
 
     /// The node-wide settings as the datapath holds them.

@@ -392,6 +392,8 @@ impl Datapath {
             sock_revnat: take(&mut ebpf, names::SOCK4_REVNAT, HashMap::try_from)?,
             sock_revnat6: take(&mut ebpf, names::SOCK6_REVNAT, HashMap::try_from)?,
             addr_filter: take(&mut ebpf, names::ADDR_FILTER, Array::try_from)?,
+            hint_devices: take(&mut ebpf, names::HINT_DEVICES, Array::try_from)?,
+            hint_shadow: None,
             flow_stats: take(&mut ebpf, names::FLOW_STATS, PerCpuArray::try_from)?,
             filter: Default::default(),
             retired: Vec::new(),
@@ -799,6 +801,12 @@ impl LbMaps {
             |d| Array::try_from(Map::Array(d)),
             || Array::create(dataplane_common::filter::FILTER_WORDS * 2, 0),
         )?;
+        let (hint_devices, _) = or_empty(
+            names::HINT_DEVICES,
+            find(names::HINT_DEVICES)?,
+            |d| Array::try_from(Map::Array(d)),
+            || Array::create(dataplane_common::hint::DEVICE_WORDS, 0),
+        )?;
         let (flow_stats, _) = or_empty(
             names::FLOW_STATS,
             find(names::FLOW_STATS)?,
@@ -816,6 +824,8 @@ impl LbMaps {
                 sock_revnat,
                 sock_revnat6,
                 addr_filter,
+                hint_devices,
+                hint_shadow: None,
                 flow_stats,
                 filter: Default::default(),
                 retired: Vec::new(),
