@@ -20,7 +20,7 @@
 //! between fails it). A packet received again after our hook (a tunnel's
 //! decapsulation, a bridge passing it up, another namespace) has another
 //! `skb_iif`, whose bit is clear unless our hook runs there too. The egress
-//! hook zeroes the word (through `tc_classid`) as it passes the packet.
+//! hook zeroes the word (through `tc_classid`) as it passes an IP packet.
 
 /// What ingress learnt about a packet, in the word's top 4 bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -76,10 +76,12 @@ pub trait Ctx {
     /// Ingress: leaves `word` on the packet for the egress hook (see
     /// `dataplane_common::hint`); XDP has nowhere to leave it.
     fn leave_hint(&self, word: u16);
-    /// Egress: the word ingress left, if the device the packet came in
-    /// through is one whose word may be trusted (0 otherwise), cleared on
-    /// the packet so that it does not travel on.
+    /// Egress: the word ingress left (0: none), cleared on the packet so
+    /// that it does not travel on. Trust it only if [`Ctx::hint_trusted`].
     fn take_hint(&self) -> u16;
+    /// Whether the device the packet came in through is one whose ingress
+    /// word egress may trust (the agent's bitmap).
+    fn hint_trusted(&self) -> bool;
 
     /// Replaces the packet by an L2 header with swapped MAC addresses (tags
     /// kept) followed by `l3_frame`, and sends it back out of the device it
@@ -252,6 +254,11 @@ impl Ctx for XdpContext {
     }
 
     #[inline(always)]
+    fn hint_trusted(&self) -> bool {
+        false
+    }
+
+    #[inline(always)]
     fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()> {
         let p = ptr_at::<_, T>(self, offset)?;
         // SAFETY: bounds checked by ptr_at.
@@ -391,20 +398,19 @@ impl Ctx for TcContext {
         // SAFETY: as above. `tc_classid` is the skb's control block, which
         // the IP layer used on the way here: cleared, so that the kernel
         // leaves `tc_index` at 0 when this program passes the packet.
-        let (word, iif) = unsafe {
+        unsafe {
             let word = (*self.skb.skb).tc_index as u16;
             (*self.skb.skb).tc_classid = 0;
-            (word, (*self.skb.skb).ingress_ifindex)
-        };
-        // Trusted only from a device the agent marked.
-        match hint::device_slot(iif) {
-            Some((w, bit))
-                if word != 0 && crate::maps::HINT_DEVICES.get(w).is_some_and(|v| *v & bit != 0) =>
-            {
-                word
-            }
-            _ => 0,
+            word
         }
+    }
+
+    #[inline(always)]
+    fn hint_trusted(&self) -> bool {
+        // SAFETY: reads the context's `ingress_ifindex` (`skb_iif`).
+        let iif = unsafe { (*self.skb.skb).ingress_ifindex };
+        hint::device_slot(iif)
+            .is_some_and(|(w, bit)| crate::maps::HINT_DEVICES.get(w).is_some_and(|v| *v & bit != 0))
     }
 
     #[inline(always)]

@@ -444,7 +444,7 @@ fn egress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> St
         if !filter::maybe(cfg, BACKENDS, &daddr) && !filter::maybe(cfg, BACKENDS, &saddr) {
             return Step::done(C::PASS, Event::Pass);
         }
-        if word != 0 {
+        if word != 0 && ctx.hint_trusted() {
             match hint::decode(word, saddr.fold(), daddr.fold()) {
                 Hint::None => return Step::done(C::PASS, Event::PassByIngress),
                 Hint::ExplicitOnly => explicit_only = true,

@@ -185,8 +185,8 @@ fn traffic_follows_service_edits() {
             .is_ok_and(|r| r.server == "a" && r.peer.ip() == s.cluster.client.ip)
     });
     // Those flows' forward packets came in through node1's external device,
-    // whose TC ingress left egress a word: the agent found no stacked
-    // external devices and let it (EXTERNAL_HINTS).
+    // whose TC ingress left egress a word, and the agent told egress to
+    // trust that device's word (DP_HINT_DEVICES_V1: nothing stacked here).
     s.eventually(
         "egress passes unmasqueraded forward packets on the ingress word",
         || {

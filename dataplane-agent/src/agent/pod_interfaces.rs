@@ -231,44 +231,60 @@ pub fn external_devices(given: &[String], node_ips: &[IpAddr]) -> Result<Vec<Ext
 }
 
 /// The devices whose ingress word egress may trust (see
-/// `dataplane_common::hint`): those of `tc` (our TC ingress runs there,
-/// writing a word on every packet) that share no stack with another device
-/// an ingress hook of ours, or any XDP program, may run on. On a stack (a
-/// VLAN, macvlan or ipvlan on its parent, a bond or bridge over its ports,
-/// at any depth) a packet passes the lower device's hook and then the
-/// upper's, and the first could translate what the second judges
-/// untranslated. Empty when a device of `tc` or `xdp` is not among `links`.
-pub fn hint_devices(links: &[Link], tc: &[String], xdp: &[String]) -> BTreeSet<u32> {
-    let index = |name: &String| links.iter().find(|l| &l.name == name).map(|l| l.index);
-    let (Some(tc), Some(mut hooked)) = (
-        tc.iter().map(index).collect::<Option<Vec<u32>>>(),
-        tc.iter().chain(xdp).map(index).collect::<Option<BTreeSet<u32>>>(),
-    ) else {
-        return BTreeSet::new();
+/// `dataplane_common::hint`): those of `tc` (indexes of devices where our
+/// TC ingress runs, writing a word on every packet) that share no stack
+/// with another device of `hooked` (where an ingress hook of ours runs) or
+/// carrying any XDP program. On a stack (a VLAN, macvlan or ipvlan on its
+/// parent, a bond or bridge over its ports, an Open vSwitch port and the
+/// switch's other ports, at any depth) a packet passes the lower device's
+/// hook and then the upper's, and the first could translate what the second
+/// judges untranslated.
+pub fn hint_devices(links: &[Link], tc: &BTreeSet<u32>, hooked: &BTreeSet<u32>) -> BTreeSet<u32> {
+    let by_index: BTreeMap<u32, &Link> = links.iter().map(|l| (l.index, l)).collect();
+    let mut ports: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    for l in links {
+        if let Some(m) = l.master {
+            ports.entry(m).or_default().push(l.index);
+        }
+    }
+    let ovs = |i: &u32| {
+        by_index
+            .get(i)
+            .is_some_and(|l| l.kind.as_deref() == Some("openvswitch"))
     };
-    hooked.extend(links.iter().filter(|l| l.xdp.is_some()).map(|l| l.index));
     // Every device a packet received on `top` may have been received on
-    // first: its parent, its ports, theirs...
+    // before: its parent, its ports, theirs...; for an Open vSwitch port,
+    // the switch's other ports (the datapath delivers to internal ports).
     let below = |top: u32| {
         let mut seen = BTreeSet::new();
         let mut todo = vec![top];
         while let Some(i) = todo.pop() {
-            let parent = links.iter().find(|l| l.index == i).and_then(|l| l.lower);
-            let ports = links.iter().filter(|l| l.master == Some(i)).map(|l| l.index);
-            for d in parent.into_iter().chain(ports) {
-                if seen.insert(d) {
+            let l = by_index.get(&i);
+            let parent = l.and_then(|l| l.lower);
+            let switch = l.and_then(|l| l.master).filter(ovs);
+            let siblings = switch.iter().flat_map(|m| ports.get(m)).flatten().copied();
+            let own = ports.get(&i).into_iter().flatten().copied();
+            for d in parent.into_iter().chain(own).chain(siblings) {
+                if d != top && seen.insert(d) {
                     todo.push(d);
                 }
             }
         }
         seen
     };
-    tc.into_iter()
+    let hooked: BTreeSet<u32> = hooked
+        .iter()
+        .chain(tc)
+        .copied()
+        .chain(links.iter().filter(|l| l.xdp.is_some()).map(|l| l.index))
+        .collect();
+    let under: BTreeMap<u32, BTreeSet<u32>> = hooked.iter().map(|&h| (h, below(h))).collect();
+    tc.iter()
+        .copied()
         .filter(|&d| {
-            let under = below(d);
-            !hooked
-                .iter()
-                .any(|&h| h != d && (under.contains(&h) || below(h).contains(&d)))
+            !under.iter().any(|(&h, below_h)| {
+                h != d && (below_h.contains(&d) || under.get(&d).is_some_and(|b| b.contains(&h)))
+            })
         })
         .collect()
 }
@@ -285,8 +301,10 @@ pub struct PodInterfaces {
     /// External devices whose ingress path runs in TC, and in XDP.
     external_tc: Vec<String>,
     external_xdp: Vec<String>,
-    /// The devices egress trusts the ingress word of, as last written.
+    /// The devices egress trusts the ingress word of, as last written, and
+    /// their names (for `/healthz`).
     hint_devices: Option<BTreeSet<u32>>,
+    trusted: Vec<String>,
     attached: BTreeMap<String, PodInterface>,
     local_endpoints: BTreeMap<IpAddr, String>,
     unreachable: Vec<UnreachableEndpoint>,
@@ -318,6 +336,7 @@ impl PodInterfaces {
             external_tc: Vec::new(),
             external_xdp: Vec::new(),
             hint_devices: None,
+            trusted: Vec::new(),
             attached: BTreeMap::new(),
             local_endpoints: BTreeMap::new(),
             unreachable: Vec::new(),
@@ -426,27 +445,54 @@ impl PodInterfaces {
     }
 
     /// Tells egress whose ingress word to trust: the attached pod
-    /// interfaces and TC external devices on no stack with another hook.
+    /// interfaces and TC external devices on no stack with another hook
+    /// (this run's, or one an earlier run left pinned).
     fn trust_words(&mut self, dp: &mut Datapath, links: &[Link]) {
-        let tc: Vec<String> = self
+        // By name, or an altname given in --devices; a device that is gone
+        // carries no packets.
+        let index = |name: &String| {
+            links
+                .iter()
+                .find(|l| &l.name == name)
+                .map(|l| l.index)
+                .or_else(|| interfaces::index_of(name))
+        };
+        let tc: BTreeSet<u32> = self
             .external_tc
             .iter()
-            .chain(self.attached.keys())
-            .cloned()
+            .filter_map(index)
+            .chain(self.attached.values().map(|a| a.index))
             .collect();
-        let set = hint_devices(links, &tc, &self.external_xdp);
+        let pinned = dp.pins().map(|p| p.ingress_link_devices()).unwrap_or_default();
+        let hooked: BTreeSet<u32> = self
+            .external_xdp
+            .iter()
+            .chain(&pinned)
+            .filter_map(index)
+            .collect();
+        let set = hint_devices(links, &tc, &hooked);
         if self.hint_devices.as_ref() == Some(&set) {
             return;
         }
+        let name = |i: &u32| {
+            links
+                .iter()
+                .find(|l| l.index == *i)
+                .map_or(i.to_string(), |l| l.name.clone())
+        };
         match dp.maps_mut().set_hint_devices(&set) {
             Ok(_) => {
-                let left_out: Vec<&String> = tc
+                let (beyond, stacked): (Vec<u32>, Vec<u32>) = tc
                     .iter()
-                    .filter(|n| !links.iter().any(|l| &&l.name == n && set.contains(&l.index)))
-                    .collect();
-                if !left_out.is_empty() {
-                    info!(devices = ?left_out, "egress does not trust these devices' ingress word (a stack with another ingress hook): it looks their packets up");
+                    .filter(|i| !set.contains(i))
+                    .partition(|i| dataplane_common::hint::device_slot(**i).is_none());
+                if !stacked.is_empty() {
+                    info!(devices = ?stacked.iter().map(name).collect::<Vec<_>>(), "egress looks up every packet from these devices that may be ours: each shares a stack with another ingress hook, whose translation its own could not see");
                 }
+                if !beyond.is_empty() {
+                    info!(devices = ?beyond.iter().map(name).collect::<Vec<_>>(), "egress looks up every packet from these devices that may be ours: their index is beyond the trusted-device bitmap");
+                }
+                self.trusted = set.iter().map(name).collect();
                 self.hint_devices = Some(set);
             }
             Err(e) => {
@@ -535,6 +581,8 @@ impl PodInterfaces {
                 },
                 "external": external,
                 "pods": self.attached.values().collect::<Vec<_>>(),
+                // Where egress skips its lookups on the ingress hook's word.
+                "egressTrustsIngressWord": self.trusted,
             });
         }
         let mut m = metrics.lock().expect("metrics");
@@ -562,7 +610,6 @@ mod tests {
 
     #[test]
     fn egress_trusts_the_word_of_devices_on_no_stack_with_another_hook() {
-        let names = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let on = |index, name, lower| Link {
             lower: Some(lower),
             ..link(index, name, Some("vlan"), None)
@@ -577,33 +624,33 @@ mod tests {
             link(20, "veth1", Some("veth"), None),
             link(21, "veth2", Some("veth"), Some(30)),
             link(30, "cni0", Some("bridge"), None),
+            link(40, "ovs-system", Some("openvswitch"), None),
+            link(41, "eth3", None, Some(40)),
+            link(42, "br-ex", Some("openvswitch"), Some(40)),
         ];
         let set = |v: &[u32]| v.iter().copied().collect::<BTreeSet<u32>>();
+        let trusted = |tc: &[u32], other: &[u32]| hint_devices(&links, &set(tc), &set(other));
         // Side by side: every one.
-        assert_eq!(
-            hint_devices(&links, &names(&["eth2", "veth1", "veth2"]), &[]),
-            set(&[4, 20, 21])
-        );
+        assert_eq!(trusted(&[4, 20, 21], &[]), set(&[4, 20, 21]));
         // A VLAN in TC on a parent in XDP (auto mode on a NIC): not the VLAN.
-        assert_eq!(
-            hint_devices(&links, &names(&["eth2.100", "veth1"]), &names(&["eth2"])),
-            set(&[20])
-        );
+        assert_eq!(trusted(&[5, 20], &[4]), set(&[20]));
         // Both in TC: neither.
-        assert_eq!(hint_devices(&links, &names(&["eth2", "eth2.100"]), &[]), set(&[]));
+        assert_eq!(trusted(&[4, 5], &[]), set(&[]));
         // Two levels: a port of a bond and a VLAN on the bond.
-        assert_eq!(hint_devices(&links, &names(&["eth0", "bond0.7"]), &[]), set(&[]));
+        assert_eq!(trusted(&[2, 10], &[]), set(&[]));
         // A bridge port and its bridge (--pod-interfaces patterns).
-        assert_eq!(hint_devices(&links, &names(&["veth2", "cni0"]), &[]), set(&[]));
-        // An XDP program we did not attach (an earlier run's) counts.
+        assert_eq!(trusted(&[21, 30], &[]), set(&[]));
+        // An Open vSwitch uplink and the switch's internal port.
+        assert_eq!(trusted(&[41, 42], &[]), set(&[]));
+        // A hook left from an earlier run (a pinned link) on the parent.
+        assert_eq!(trusted(&[5], &[4]), set(&[]));
+        // An XDP program we did not attach counts as a hook.
         let mut with_xdp = links.clone();
         with_xdp[2].xdp = Some(interfaces::XdpProgram {
             id: 7,
             mode: interfaces::XdpAttachMode::Native,
         });
-        assert_eq!(hint_devices(&with_xdp, &names(&["eth2.100"]), &[]), set(&[]));
-        // A name that is not a link: nothing is trusted.
-        assert_eq!(hint_devices(&links, &names(&["eth2", "nope"]), &[]), set(&[]));
+        assert_eq!(hint_devices(&with_xdp, &set(&[5]), &set(&[])), set(&[]));
     }
 
     fn route(dst: &str, len: u8, oif: u32, gateway: Option<&str>) -> Route {

@@ -304,6 +304,23 @@ impl PinDir {
         removed
     }
 
+    /// The devices with an ingress program's link pinned here (this run's,
+    /// or an earlier run's that is still attached).
+    pub fn ingress_link_devices(&self) -> Vec<String> {
+        let Ok(dir) = std::fs::read_dir(self.root.join("links")) else {
+            return Vec::new();
+        };
+        dir.flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                let (program, device) = name.split_once('@')?;
+                [names::XDP_INGRESS, names::TC_INGRESS, names::TC_POD_INGRESS]
+                    .contains(&program)
+                    .then(|| device.to_owned())
+            })
+            .collect()
+    }
+
     /// Whether `root` holds an agent's pins (its `maps/` or `links/`).
     pub fn is_pin_dir(root: &Path) -> bool {
         root.join("maps").is_dir() || root.join("links").is_dir()
