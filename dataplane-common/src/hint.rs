@@ -8,8 +8,7 @@
 //! to rewrite: forward packets of masqueraded flows (SNAT) and replies
 //! (their frontend restored). Ingress knows more than egress about most
 //! packets: whether it translated one, and whether its source may be a
-//! backend. The word tells egress which lookups cannot apply, or, for a
-//! masqueraded flow's forward packet, what its lookup would find.
+//! backend. The word tells egress which lookups cannot apply.
 //!
 //! The word is a hint, never a command: a packet that carries no valid
 //! word takes the full egress path. Valid means: the device the packet
@@ -39,13 +38,6 @@ pub enum Hint {
     /// masqueraded flow's forward packet nor its un-SNATed reply, but its
     /// source may be a backend.
     ExplicitOnly = 0x5,
-    /// A masqueraded flow's forward packet that ingress DNATed, whose flow
-    /// is live (not closed, not expired) and holds the SNAT port hashed
-    /// from its client's address and port (`ct::snat_port_hash`, as the
-    /// flow's `FWD_IN` entry says): egress SNATs it to the node's address
-    /// and that port without looking the port's `REP_IN` up. A live flow's
-    /// port is never taken over, so the lookup could only confirm it.
-    SnatHashed = 0xc,
 }
 
 /// The 12-bit check over the packet's addresses (as folded by
@@ -89,7 +81,6 @@ pub const fn decode(word: u16, saddr: u32, daddr: u32) -> Hint {
     match word >> 12 {
         0xa => Hint::None,
         0x5 => Hint::ExplicitOnly,
-        0xc => Hint::SnatHashed,
         _ => Hint::Unknown,
     }
 }
@@ -101,7 +92,7 @@ mod tests {
     #[test]
     fn round_trip() {
         for (s, d) in [(0x0a00_0001, 0x0a00_0002), (0, 0), (u32::MAX, 7)] {
-            for h in [Hint::None, Hint::ExplicitOnly, Hint::SnatHashed] {
+            for h in [Hint::None, Hint::ExplicitOnly] {
                 assert_eq!(decode(encode(h, s, d), s, d), h);
             }
             assert_eq!(decode(encode(Hint::Unknown, s, d), s, d), Hint::Unknown);
@@ -118,23 +109,11 @@ mod tests {
         assert_eq!(decode(w, d, s), Hint::Unknown);
         assert_eq!(decode(w, s, d + 1), Hint::Unknown);
         // A word someone else wrote: at most 1 in 4096 of random words with
-        // a valid kind passes; count over all words of this tuple (one per
-        // kind).
+        // a valid kind passes; count over all words of this tuple.
         let valid = (0..=u16::MAX)
             .filter(|w| decode(*w, s, d) != Hint::Unknown)
             .count();
-        assert_eq!(valid, 3);
-    }
-
-    #[test]
-    fn kinds_differ_in_at_least_two_bits() {
-        // A single flipped bit of a kind never reads as another kind.
-        let kinds = [Hint::None, Hint::ExplicitOnly, Hint::SnatHashed];
-        for a in kinds {
-            for b in kinds.iter().filter(|b| **b != a) {
-                assert!((a as u8 ^ *b as u8).count_ones() >= 2, "{a:?} {b:?}");
-            }
-        }
+        assert_eq!(valid, 2);
     }
 
     #[test]

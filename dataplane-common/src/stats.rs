@@ -114,15 +114,10 @@ pub enum Event {
     /// hook that saw the packet on this node left a word saying that nothing is to be
     /// done there (see [`crate::hint`]).
     PassByIngress = 18,
-    /// A masqueraded flow's forward packet SNATed by egress to the port
-    /// hashed from its client, without a conntrack lookup: the ingress hook
-    /// that DNATed it found the flow live with that port (see
-    /// [`crate::hint::Hint::SnatHashed`]).
-    SnatByIngress = 19,
 }
 
 impl Event {
-    pub const ALL: [Event; 20] = [
+    pub const ALL: [Event; 19] = [
         Event::Pass,
         Event::NewFlow,
         Event::Established,
@@ -142,7 +137,6 @@ impl Event {
         Event::DropRejectFailed,
         Event::DropTupleClash,
         Event::PassByIngress,
-        Event::SnatByIngress,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -166,7 +160,6 @@ impl Event {
             Event::DropRejectFailed => "drop_reject_failed",
             Event::DropTupleClash => "drop_tuple_clash",
             Event::PassByIngress => "pass_by_ingress",
-            Event::SnatByIngress => "snat_by_ingress",
         }
     }
 

@@ -126,29 +126,6 @@ fn dnat_only_hint<C: Ctx, A: Addr>(saddr: &A, daddr: &A) -> u16 {
     hint::encode(Hint::None, saddr.fold(), daddr.fold())
 }
 
-/// The word for a masqueraded flow's forward packet, DNATed to `daddr`,
-/// whose live flow holds `port` (network order) on the node's address:
-/// `Hint::SnatHashed` when that port is the one hashed from the client
-/// (egress computes it again instead of looking it up), else 0 (the full
-/// path: the port is the fallback's, or the configuration changed since).
-#[inline(always)]
-fn snat_hashed_hint<C: Ctx, A: Addr>(cfg: &DpConfig, saddr: &A, sport: u16, daddr: &A, port: u16) -> u16 {
-    if !C::HINTS
-        || port
-            != snat_port_hash(
-                *saddr,
-                sport,
-                cfg.snat_hash_seed,
-                cfg.snat_port_min,
-                cfg.snat_port_max,
-            )
-            .to_be()
-    {
-        return 0;
-    }
-    hint::encode(Hint::SnatHashed, saddr.fold(), daddr.fold())
-}
-
 /// Runs the rest of a step from the entry point, counts the outcome and
 /// returns the verdict.
 #[inline(always)]
@@ -313,7 +290,7 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
         // SAFETY: a map value pointer, valid for this run. The fields the
         // path needs are copied out; no reference outlives this block (touch
         // writes through `e` below).
-        let (role, closed, daddr, dport, service_id, snat, explicit, nat_saddr, nat_sport) = unsafe {
+        let (role, closed, daddr, dport, service_id, snat) = unsafe {
             let en = &*e;
             (
                 en.role(),
@@ -322,9 +299,6 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
                 en.nat_dport,
                 en.service_id,
                 en.flags & ct_flags::SNAT != 0,
-                en.flags & ct_flags::EXPLICIT != 0,
-                en.nat_saddr,
-                en.nat_sport,
             )
         };
         match role {
@@ -342,12 +316,10 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
                     return Step::done(C::PASS, Event::Reply);
                 }
                 stats::count_service(service_id, pkt.tot_len as u64);
-                let word = if !snat {
-                    dnat_only_hint::<C, F::A>(&t.saddr, &daddr)
-                } else if closed || explicit || nat_saddr != F::snat_ip(cfg) {
+                let word = if snat {
                     0
                 } else {
-                    snat_hashed_hint::<C, F::A>(cfg, &t.saddr, t.sport, &daddr, nat_sport)
+                    dnat_only_hint::<C, F::A>(&t.saddr, &daddr)
                 };
                 return Step::done_hint(C::PASS, Event::Established, word);
             }
@@ -398,19 +370,10 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Ste
             match ctx.rewrite::<F>(pkt, Side::Dst, choice.backend.address, choice.backend.port) {
                 Some(()) => {
                     stats::count_service(choice.service_id, pkt.tot_len as u64);
-                    let t = &pkt.tuple;
-                    let word = if !choice.snat {
-                        dnat_only_hint::<C, F::A>(&t.saddr, &choice.backend.address)
-                    } else if choice.explicit {
+                    let word = if choice.snat {
                         0
                     } else {
-                        snat_hashed_hint::<C, F::A>(
-                            cfg,
-                            &t.saddr,
-                            t.sport,
-                            &choice.backend.address,
-                            choice.snat_port,
-                        )
+                        dnat_only_hint::<C, F::A>(&pkt.tuple.saddr, &choice.backend.address)
                     };
                     Step::done_hint(C::PASS, event, word)
                 }
@@ -469,24 +432,6 @@ fn fixed_addrs<C: Ctx, F: Family>(ctx: &C, l3: usize) -> Option<(F::A, F::A)> {
     matches!(p, proto::TCP | proto::UDP | proto::SCTP).then_some((saddr, daddr))
 }
 
-/// SNAT of a masqueraded flow's forward packet to the node's address and
-/// the port hashed from its client; `event` is counted if it succeeds.
-#[inline(always)]
-fn snat_hashed<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, pkt: &Pkt<F::A>, event: Event) -> Step {
-    let t = &pkt.tuple;
-    let port = snat_port_hash(
-        t.saddr,
-        t.sport,
-        cfg.snat_hash_seed,
-        cfg.snat_port_min,
-        cfg.snat_port_max,
-    );
-    match ctx.rewrite::<F>(pkt, Side::Src, F::snat_ip(cfg), port.to_be()) {
-        Some(()) => Step::done(C::PASS, event),
-        None => Step::done(C::PASS, Event::Malformed),
-    }
-}
-
 /// As [`ingress_prefilter`], for egress: forward packets go to a backend,
 /// replies come from one; anything else passes here. Then the word ingress
 /// left (see `dataplane_common::hint`): nothing to do, or only the explicit
@@ -494,27 +439,26 @@ fn snat_hashed<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, pkt: &Pkt<F::A>, even
 #[inline(always)]
 fn egress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
     let word = ctx.take_hint();
-    let mut hint = Hint::Unknown;
+    let mut explicit_only = false;
     if let Some((saddr, daddr)) = fixed_addrs::<C, F>(ctx, l3) {
         if !filter::maybe(cfg, BACKENDS, &daddr) && !filter::maybe(cfg, BACKENDS, &saddr) {
             return Step::done(C::PASS, Event::Pass);
         }
         if word != 0 && ctx.hint_trusted() {
-            hint = hint::decode(word, saddr.fold(), daddr.fold());
-            if hint == Hint::None {
-                return Step::done(C::PASS, Event::PassByIngress);
+            match hint::decode(word, saddr.fold(), daddr.fold()) {
+                Hint::None => return Step::done(C::PASS, Event::PassByIngress),
+                Hint::ExplicitOnly => explicit_only = true,
+                Hint::Unknown => {}
             }
         }
     }
-    egress_family::<C, F>(ctx, cfg, l3, hint as u8)
+    egress_family::<C, F>(ctx, cfg, l3, explicit_only)
 }
 
-/// `hint`: the word's kind (`Hint` as a byte: a subprogram's arguments are
-/// registers). `ExplicitOnly`: ingress did not translate the packet, so
-/// the hashed `REP_IN` entries cannot apply. `SnatHashed`: a live
-/// masqueraded flow's forward packet, SNATed to its hashed port at once.
+/// `explicit_only`: ingress did not translate the packet (see
+/// `Hint::ExplicitOnly`), so the hashed `REP_IN` entries cannot apply.
 #[inline(never)]
-fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, hint: u8) -> Step {
+fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit_only: bool) -> Step {
     let pkt = &match F::parse(ctx, l3) {
         Ok(p) => p,
         Err(other) => return unparsed::<C>(other),
@@ -523,10 +467,6 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, hint: u8
         return step;
     }
     let t = &pkt.tuple;
-    if hint == Hint::SnatHashed as u8 {
-        return snat_hashed::<C, F>(ctx, cfg, pkt, Event::SnatByIngress);
-    }
-    let explicit_only = hint == Hint::ExplicitOnly as u8;
     // Forward packets go to a backend, replies come from one.
     let to_backend = filter::maybe(cfg, BACKENDS, &t.daddr);
     let from_backend = filter::maybe(cfg, BACKENDS, &t.saddr);
@@ -542,7 +482,17 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, hint: u8
     // counted for its service where it entered).
     if to_backend && icmp::hashed_rep_in::<F>(cfg, t.daddr, t.dport, t.saddr, t.sport, t.proto, now).is_some()
     {
-        return snat_hashed::<C, F>(ctx, cfg, pkt, Event::Established);
+        let port = snat_port_hash(
+            t.saddr,
+            t.sport,
+            cfg.snat_hash_seed,
+            cfg.snat_port_min,
+            cfg.snat_port_max,
+        );
+        return match ctx.rewrite::<F>(pkt, Side::Src, F::snat_ip(cfg), port.to_be()) {
+            Some(()) => Step::done(C::PASS, Event::Established),
+            None => Step::done(C::PASS, Event::Malformed),
+        };
     }
     // Reply: source → frontend.
     if from_backend
