@@ -532,6 +532,7 @@ pub fn cases(quick: bool) -> Vec<Case> {
         c(big, Variant::PodClusterIp, Mode::Close),
         c(big, Variant::PodClusterIpHostRouting, Mode::Close),
         c(1, Variant::Direct, Mode::KeepAlive),
+        c(big, Variant::NonService, Mode::KeepAlive),
         c(big, Variant::Masqueraded, Mode::KeepAlive),
         c(big, Variant::MasqueradedHostRouting, Mode::KeepAlive),
         c(big, Variant::Nftables, Mode::KeepAlive),
@@ -690,13 +691,17 @@ pub fn render(
     let _ = writeln!(
         md,
         "\nGoals at {} Services (issue 11): new connections ≥ 0.95× direct: **{}**; ≥ 1.3× kube-proxy nftables: \
-         **{}**; non-service traffic ≥ 0.98× direct: **{}**; keep-alive ≥ 0.98× direct: **{}**; \
+         **{}**; non-service traffic ≥ 0.98× direct: **{}** (keep-alive: {}); keep-alive ≥ 0.98× direct: **{}**; \
          native XDP vs TC on veth for the same load: {}. With host routing (`--host-routing`): new connections \
          **{}** direct, **{}** nftables; keep-alive **{}** direct; pod → ClusterIP {} pod → pod.",
         masq.map_or(0, |r| r.case.services),
         ratio(masq, direct),
         ratio(masq, find(Variant::Nftables, Mode::Close)),
         ratio(find(Variant::NonService, Mode::Close), direct),
+        ratio(
+            find(Variant::NonService, Mode::KeepAlive),
+            find(Variant::Direct, Mode::KeepAlive)
+        ),
         ratio(
             find(Variant::Masqueraded, Mode::KeepAlive),
             find(Variant::Direct, Mode::KeepAlive)
