@@ -161,6 +161,8 @@ struct Sample {
     drops: u64,
     snat_exhausted: u64,
     flows: Vec<(FlowStat, u64)>,
+    /// With `Stats`: each loaded program's (name, runs, ns) during the run.
+    programs: Vec<(String, u64, u64)>,
 }
 
 pub struct Row {
@@ -376,7 +378,7 @@ fn parse_wrk(text: &str, before: &[(u64, u64, u64)], after: &[(u64, u64, u64)]) 
 
 /// One measurement in a fresh sandbox (as BENCHMARKING.md advises: a reused
 /// node namespace keeps netfilter state from the previous variant).
-fn once(case: Case, duration: Duration) -> Sample {
+fn once(case: Case, duration: Duration, stats: Stats) -> Sample {
     let Case {
         services: n,
         variant,
@@ -482,7 +484,24 @@ fn once(case: Case, duration: Duration) -> Sample {
             .spawn()
             .expect("perf")
     });
+    // The kernel clocks every BPF program run while this fd is open.
+    let clocked = (stats == Stats::On).then(|| {
+        let fd = aya::sys::enable_stats(aya::sys::Stats::RunTime).expect("BPF_ENABLE_STATS");
+        (fd, program_times())
+    });
     let mut s = wrk(&from, dst, mode, duration, server);
+    if let Some((fd, before)) = clocked {
+        let after = program_times();
+        drop(fd);
+        s.programs = after
+            .into_iter()
+            .map(|(name, runs, ns)| {
+                let (r0, n0) = before.iter().find(|b| b.0 == name).map_or((0, 0), |b| (b.1, b.2));
+                (name, runs - r0, ns - n0)
+            })
+            .filter(|p| p.1 > 0)
+            .collect();
+    }
     if let Some(mut p) = perf {
         // SAFETY: signals our own child.
         unsafe { libc::kill(p.id() as i32, libc::SIGINT) };
@@ -500,6 +519,112 @@ fn once(case: Case, duration: Duration) -> Sample {
             .collect();
     }
     s
+}
+
+/// Whether a run clocks the BPF programs (`BPF_ENABLE_STATS`): two clock
+/// reads per program run, so such runs stay out of the ratios.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stats {
+    Off,
+    On,
+}
+
+/// Every loaded BPF program's (name, runs, ns), summed by name (a sandbox's
+/// programs are the only ones loaded while the benchmark runs).
+fn program_times() -> Vec<(String, u64, u64)> {
+    let mut v: Vec<(String, u64, u64)> = Vec::new();
+    for p in aya::programs::loaded_programs().filter_map(Result::ok) {
+        let name = p.name_as_str().unwrap_or("?").to_owned();
+        let (runs, ns) = (p.run_count(), p.run_time().as_nanos() as u64);
+        match v.iter_mut().find(|x| x.0 == name) {
+            Some(x) => {
+                x.1 += runs;
+                x.2 += ns;
+            }
+            None => v.push((name, runs, ns)),
+        }
+    }
+    v
+}
+
+/// Our programs' own time under load: one clocked run of each case.
+pub struct Cost {
+    case: Case,
+    rate: f64,
+    requests: f64,
+    programs: Vec<(String, u64, u64)>,
+}
+
+pub fn program_costs(duration: Duration, services: u32) -> Vec<Cost> {
+    let c = |variant, mode| Case {
+        services,
+        variant,
+        mode,
+    };
+    [
+        c(Variant::Masqueraded, Mode::Close),
+        c(Variant::Masqueraded, Mode::KeepAlive),
+        c(Variant::NonService, Mode::KeepAlive),
+    ]
+    .into_iter()
+    .map(|case| {
+        eprintln!(
+            "bench: end to end, programs clocked: {}, {}",
+            case.variant.name(),
+            case.mode.name()
+        );
+        let s = once(case, duration, Stats::On);
+        Cost {
+            case,
+            rate: s.requests_per_s,
+            requests: s.requests_per_s * duration.as_secs_f64(),
+            programs: s.programs,
+        }
+    })
+    .collect()
+}
+
+pub fn render_costs(md: &mut String, costs: &[Cost]) {
+    let _ = writeln!(
+        md,
+        "\n### Our programs under this load\n\nOne more run of each case, with the kernel clocking every BPF program \
+         run (`BPF_ENABLE_STATS`, which adds two clock reads per run, so these runs are not in the table above): runs \
+         and ns per run of each program, and what that adds up to per request. `xdp_floor` is the harness's \
+         pass-through XDP program on the switch side of the veth pairs, run in every variant, direct included, and \
+         not counted as ours; it only parses and passes, so its ns per run here against the per-packet table's \
+         floor shows what the clock reads add to every run.\n"
+    );
+    let _ = writeln!(
+        md,
+        "| services | variant | mode | program | runs per request | ns per run | ns per request |"
+    );
+    let _ = writeln!(md, "|---:|---|---|---|---:|---:|---:|");
+    for c in costs {
+        let mut total = 0.0;
+        for (name, runs, ns) in &c.programs {
+            let per_request = *ns as f64 / c.requests.max(1.0);
+            if name != "xdp_floor" {
+                total += per_request;
+            }
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | `{name}` | {:.2} | {:.0} | {per_request:.0} |",
+                c.case.services,
+                c.case.variant.name(),
+                c.case.mode.name(),
+                *runs as f64 / c.requests.max(1.0),
+                *ns as f64 / (*runs).max(1) as f64,
+            );
+        }
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} | **ours, all** | | | **{total:.0}** (of {:.0} per request on each CPU) |",
+            c.case.services,
+            c.case.variant.name(),
+            c.case.mode.name(),
+            1e9 / c.rate.max(1.0),
+        );
+    }
 }
 
 /// (dropped packets, SNAT exhaustion drops, flow stats) of a datapath.
@@ -563,7 +688,7 @@ pub fn run(cases: &[Case], rounds: usize, duration: Duration) -> Vec<Row> {
                 case.variant.name(),
                 case.mode.name()
             );
-            samples[i].push(once(*case, duration));
+            samples[i].push(once(*case, duration, Stats::Off));
         }
     }
     cases

@@ -88,10 +88,14 @@ fn main() {
             })
             .collect::<Vec<_>>();
         let rows = e2e::run(&cases, e2e_rounds, e2e_duration);
-        let sustained = if pick.is_some() {
-            Vec::new()
+        let (sustained, costs) = if pick.is_some() {
+            (Vec::new(), Vec::new())
         } else {
-            e2e::sustained(sustained_duration, if quick { 1_000 } else { 10_000 })
+            let services = if quick { 1_000 } else { 10_000 };
+            (
+                e2e::sustained(sustained_duration, services),
+                e2e::program_costs(e2e_duration, services),
+            )
         };
         let mut md = String::new();
         e2e::render(
@@ -102,6 +106,7 @@ fn main() {
             sustained_duration,
             e2e_rounds,
         );
+        e2e::render_costs(&mut md, &costs);
         print!("{md}");
         return;
     }
@@ -137,7 +142,9 @@ fn main() {
         .collect();
     let e2e_rows = e2e::run(&e2e::cases(quick), e2e_rounds, e2e_duration);
     eprintln!("bench: sustained masquerading");
-    let sustained = e2e::sustained(sustained_duration, if quick { 1_000 } else { 10_000 });
+    let big = if quick { 1_000 } else { 10_000 };
+    let sustained = e2e::sustained(sustained_duration, big);
+    let costs = e2e::program_costs(e2e_duration, big);
     eprintln!("bench: control plane (in-process syncer, then agents through their sources)");
     let (ours, agents) = control::measure(&control_sizes);
     let control: Vec<kube_proxy::ControlRow> = control_sizes
@@ -163,6 +170,7 @@ fn main() {
         sustained_duration,
         e2e_rounds,
     );
+    e2e::render_costs(&mut md, &costs);
     kube_proxy::render(&mut md, &control);
     control::render(&mut md, &ours, &agents);
     probes::render(&mut md, &probe_rows, probe_rounds);
