@@ -298,9 +298,12 @@ fn every_service_path_works_with(layout: PodLayout, extra: &[&str]) -> Sandbox {
     // One client port to two frontends of backend a, one flow masqueraded
     // and one not, the first closed (its tuple lingers) when the second
     // opens: each is translated as itself, in either order.
+    // The ports are below the ephemeral range (32768-60999), so no earlier
+    // connection of this test can hold them: bind(2) would refuse a port
+    // whose earlier socket (in TIME_WAIT, say) did not set SO_REUSEADDR.
     let client = s.cluster.client.ip;
     let (masqueraded, kept) = ((LB_CLUSTER, node1), (LB_LOCAL, client));
-    for (port, flows) in [(47000, [masqueraded, kept]), (47001, [kept, masqueraded])] {
+    for (port, flows) in [(27000, [masqueraded, kept]), (27001, [kept, masqueraded])] {
         for (dst, seen) in flows {
             let r = TcpClient::connect_from_port(&s.cluster.client.ns, port, SocketAddrV4::new(dst, 80))
                 .and_then(|mut c| c.request("x"))
