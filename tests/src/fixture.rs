@@ -6,10 +6,13 @@
 use std::net::SocketAddr;
 
 use dataplane_agent::dataplane::Datapath;
-use dataplane_common::{names, stats::Event};
+use dataplane_common::{
+    names,
+    stats::{Event, FlowStat},
+};
 
 use crate::{
-    packet::{ICMP, ICMPV6, parse_and_verify},
+    packet::{Frame, ICMP, ICMPV6, TCP_ACK, TCP_FIN, TCP_SYN, parse_and_verify},
     testrun,
 };
 
@@ -53,6 +56,78 @@ pub fn run_as(dp: &Datapath, p: Verdicts, input: &[u8]) -> (u32, Vec<u8>) {
     }
     let (v, out, _) = testrun::run(dp.tc(p.program).unwrap(), input, 1);
     (v, out)
+}
+
+/// What [`reopen_connections`] saw: the backends chosen, and the source
+/// the backends saw (the same for every connection).
+pub struct Reopened {
+    pub backends: std::collections::BTreeSet<SocketAddr>,
+    pub source: SocketAddr,
+}
+
+/// Opens and closes `n` TCP connections from one client port to
+/// `frontend` through `p`'s ingress program and `tc_egress`: the second and
+/// later ones reopen the closed one's tuple. Asserts for each that the SYN
+/// goes to one of `backends`, from one source every time (the hashed SNAT
+/// port, or the client), that replies come back from the frontend, and that
+/// the connection is open (a retransmitted SYN and an ACK keep its
+/// backend); and that `n - 1` were counted as reopened.
+pub fn reopen_connections(
+    dp: &Datapath,
+    p: Verdicts,
+    client: SocketAddr,
+    frontend: SocketAddr,
+    backends: &[SocketAddr],
+    n: u64,
+) -> Reopened {
+    let egress = |input: &[u8]| {
+        let (v, out, _) = testrun::run(dp.tc(names::TC_EGRESS).unwrap(), input, 1);
+        assert_eq!(v, 0, "TC_ACT_OK");
+        parse_and_verify(&out)
+    };
+    let ingress = |frame: Frame| {
+        let (v, out) = run_as(dp, p, &frame.build());
+        assert_eq!(v, p.pass, "{}", p.program);
+        out
+    };
+    let reopened = || {
+        let stats = dp.maps().flow_stats().unwrap();
+        stats
+            .into_iter()
+            .find(|(s, _)| *s == FlowStat::Reopened)
+            .unwrap()
+            .1
+    };
+    let before = reopened();
+    let mut chosen = std::collections::BTreeSet::new();
+    let mut source = None;
+    for i in 0..n {
+        let what = format!("{}, {frontend}, connection {i}", p.program);
+        let out = ingress(Frame::tcp(client, frontend, TCP_SYN));
+        let backend = parse_and_verify(&out).dst_addr();
+        assert!(backends.contains(&backend), "{what}: SYN to {backend}");
+        chosen.insert(backend);
+        let seen = egress(&out).src_addr();
+        assert_eq!(*source.get_or_insert(seen), seen, "{what}: one source");
+        let reply = |flags: u8| {
+            let o = egress(&ingress(Frame::tcp(backend, seen, flags)));
+            assert_eq!((o.src_addr(), o.dst_addr()), (frontend, client), "{what}: reply");
+        };
+        reply(TCP_SYN | TCP_ACK);
+        for flags in [TCP_SYN, TCP_ACK] {
+            let out = ingress(Frame::tcp(client, frontend, flags));
+            assert_eq!(parse_and_verify(&out).dst_addr(), backend, "{what}: {flags:#x}");
+            assert_eq!(egress(&out).src_addr(), seen, "{what}");
+        }
+        // Closed: a FIN each way.
+        ingress(Frame::tcp(client, frontend, TCP_FIN | TCP_ACK));
+        reply(TCP_FIN | TCP_ACK);
+    }
+    assert_eq!(reopened() - before, n - 1, "{}, {frontend}: reopened", p.program);
+    Reopened {
+        backends: chosen,
+        source: source.expect("n > 0"),
+    }
 }
 
 /// What a fixture expects.

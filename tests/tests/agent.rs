@@ -359,7 +359,8 @@ fn kill_9_under_traffic_loses_no_connection() {
 /// backend and its SNAT port while 100,000 new connections to the same
 /// backends go by (the port space of each backend goes round more than
 /// once), and none of those fails: ports of closed flows are taken over,
-/// a live one never is.
+/// a live one never is, and reopened tuples (client ports come round too)
+/// are translated as new connections.
 #[test]
 fn a_live_masqueraded_connection_survives_100k_new_connections_beside_it() {
     const CHURN_PORT: u16 = 30090;
@@ -453,6 +454,9 @@ fn a_live_masqueraded_connection_survives_100k_new_connections_beside_it() {
         count("snat_port_takeover") + count("tuple_takeover") > 0,
         "takeovers: {flows}"
     );
+    // Client ports come round too: SYNs on closed connections' tuples
+    // opened new ones (and each of those worked, above).
+    assert!(count("reopened_closed_flow") > 0, "reopened tuples: {flows}");
     eprintln!(
         "100k connections beside a live one: {:.0}/s, p50 {} µs, p99 {} µs; flows {flows}",
         report.rate(),

@@ -10,7 +10,7 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use dataplane_agent::{dataplane::Datapath, net::Protocol};
 use dataplane_common::{names, stats::Event};
 use dataplane_tests::{
-    fixture::{Expect, Fixture, TC, Table, XDP, run_as, run_table},
+    fixture::{Expect, Fixture, TC, Table, XDP, reopen_connections, run_as, run_table},
     packet::{Ext, Frame, TCP_ACK, TCP_FIN, TCP_SYN, icmp6_echo_request, icmp6_error, parse_and_verify},
     services::{TestEndpoint, TestService},
     testrun::{self, fixture_datapath_dual},
@@ -394,6 +394,27 @@ fn an_ipv6_client_port_reused_through_another_frontend_of_the_same_backend() {
             p.program
         );
         assert_eq!(reply(client, TCP_SYN | TCP_ACK), (lb, client), "{}", p.program);
+    }
+}
+
+/// A SYN on a closed IPv6 connection's tuple opens a new one, translated
+/// as its own both ways (see the IPv4 fixture): masqueraded with the
+/// hashed port every time, and kept unmasqueraded.
+#[test]
+fn a_closed_ipv6_connection_s_tuple_reopens() {
+    for p in [XDP, TC] {
+        let dp = datapath();
+        let backend = [sa(REMOTE_POD, 8080)];
+        let r = reopen_connections(&dp, p, sa(CLIENT, 44100), sa(NODE, 30080), &backend, 20);
+        assert_eq!(
+            r.source.ip(),
+            std::net::IpAddr::from(NODE),
+            "{}: masqueraded",
+            p.program
+        );
+        let client = sa(CLIENT, 44101);
+        let r = reopen_connections(&dp, p, client, sa(LB_LOCAL, 80), &[sa(LOCAL_POD, 8080)], 20);
+        assert_eq!(r.source, client, "{}: eTP=Local keeps the client", p.program);
     }
 }
 

@@ -15,7 +15,7 @@ use dataplane_common::{
     stats::{Event, FlowStat},
 };
 use dataplane_tests::{
-    fixture::{Expect, Fixture, TC, Table, XDP, XDP_PASS, run, run_as, run_table},
+    fixture::{Expect, Fixture, TC, Table, XDP, XDP_PASS, reopen_connections, run, run_as, run_table},
     packet::{Frame, TCP_ACK, TCP_FIN, TCP_SYN, icmp_error, parse_and_verify},
     services::{TestEndpoint, TestService},
     testrun::{self, fixture_datapath},
@@ -498,6 +498,51 @@ fn a_client_port_reused_through_another_frontend_of_the_same_backend() {
             .unwrap()
             .1;
         assert_eq!(taken_over, 3, "{}: the closed flows' tuples", p.program);
+    }
+}
+
+/// A SYN on the tuple of a closed connection opens a new one, with a
+/// fresh backend choice, as netfilter reopens a TIME_WAIT entry: each
+/// connection is translated both ways, a masqueraded one keeps its hashed
+/// SNAT port, and the new connection is open (a retransmitted SYN stays on
+/// its backend instead of reopening again). Masqueraded over four backends
+/// (the choice is made again: more than one is used) and unmasqueraded to
+/// one; both program types.
+#[test]
+fn a_closed_connection_s_tuple_reopens_with_a_fresh_choice() {
+    const CONNECTIONS: u64 = 60;
+    for p in [XDP, TC] {
+        let dp = datapath();
+        let hashed = || {
+            let stats = dp.maps().flow_stats().unwrap();
+            stats
+                .into_iter()
+                .find(|(s, _)| *s == FlowStat::SnatHashed)
+                .unwrap()
+                .1
+        };
+        let spread: Vec<SocketAddr> = (1..=4)
+            .map(|i| sa(Ipv4Addr::new(10, 244, 2, 20 + i), 8080))
+            .collect();
+        let before = hashed();
+        let r = reopen_connections(&dp, p, sa(CLIENT, 44000), sa(NODE, 30083), &spread, CONNECTIONS);
+        assert_eq!(r.source.ip(), NODE, "{}: masqueraded", p.program);
+        // All 60 on one of 4 backends: a chance of 4^-59.
+        assert!(
+            r.backends.len() > 1,
+            "{}: chosen again: {:?}",
+            p.program,
+            r.backends
+        );
+        assert_eq!(
+            hashed() - before,
+            CONNECTIONS,
+            "{}: the hashed port each time",
+            p.program
+        );
+        let client = sa(CLIENT, 44001);
+        let r = reopen_connections(&dp, p, client, sa(LB_LOCAL, 80), &[sa(LOCAL_POD, 8080)], 20);
+        assert_eq!(r.source, client, "{}: eTP=Local keeps the client", p.program);
     }
 }
 
