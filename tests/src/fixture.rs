@@ -71,7 +71,8 @@ pub struct Reopened {
 /// goes to one of `backends`, from one source every time (the hashed SNAT
 /// port, or the client), that replies come back from the frontend, and that
 /// the connection is open (a retransmitted SYN and an ACK keep its
-/// backend); and that `n - 1` were counted as reopened.
+/// backend); and that `n - 1` were counted as reopened and, when the source
+/// is not the client, `n` as masqueraded with their hashed port.
 pub fn reopen_connections(
     dp: &Datapath,
     p: Verdicts,
@@ -90,15 +91,11 @@ pub fn reopen_connections(
         assert_eq!(v, p.pass, "{}", p.program);
         out
     };
-    let reopened = || {
-        let stats = dp.maps().flow_stats().unwrap();
-        stats
-            .into_iter()
-            .find(|(s, _)| *s == FlowStat::Reopened)
-            .unwrap()
-            .1
-    };
-    let before = reopened();
+    assert!(n > 0, "at least one connection");
+    let before = (
+        flow_stat(dp, FlowStat::Reopened),
+        flow_stat(dp, FlowStat::SnatHashed),
+    );
     let mut chosen = std::collections::BTreeSet::new();
     let mut source = None;
     for i in 0..n {
@@ -123,11 +120,23 @@ pub fn reopen_connections(
         ingress(Frame::tcp(client, frontend, TCP_FIN | TCP_ACK));
         reply(TCP_FIN | TCP_ACK);
     }
-    assert_eq!(reopened() - before, n - 1, "{}, {frontend}: reopened", p.program);
+    let source = source.expect("n > 0");
+    let reopened = flow_stat(dp, FlowStat::Reopened) - before.0;
+    assert_eq!(reopened, n - 1, "{}, {frontend}: reopened", p.program);
+    // Masqueraded: the hashed port, claimed again by each connection.
+    let hashed = if source == client { 0 } else { n };
+    let claimed = flow_stat(dp, FlowStat::SnatHashed) - before.1;
+    assert_eq!(claimed, hashed, "{}, {frontend}: hashed port", p.program);
     Reopened {
         backends: chosen,
-        source: source.expect("n > 0"),
+        source,
     }
+}
+
+/// A flow statistic's count (`inspect stats`' `flows`).
+pub fn flow_stat(dp: &Datapath, which: FlowStat) -> u64 {
+    let stats = dp.maps().flow_stats().unwrap();
+    stats.into_iter().find(|(s, _)| *s == which).unwrap().1
 }
 
 /// What a fixture expects.

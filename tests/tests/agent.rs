@@ -455,7 +455,11 @@ fn a_live_masqueraded_connection_survives_100k_new_connections_beside_it() {
         "takeovers: {flows}"
     );
     // Client ports come round too: SYNs on closed connections' tuples
-    // opened new ones (and each of those worked, above).
+    // opened new ones (and each of those worked, above). This needs a port
+    // to come round before the 16384-entry map evicts its entries: current
+    // Linux kernels pick connect() ports with random steps, so ports recur
+    // within a few thousand connections; a kernel that walked the range in
+    // order would reuse one only every ~28k.
     assert!(count("reopened_closed_flow") > 0, "reopened tuples: {flows}");
     eprintln!(
         "100k connections beside a live one: {:.0}/s, p50 {} µs, p99 {} µs; flows {flows}",
