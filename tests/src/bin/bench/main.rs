@@ -180,22 +180,36 @@ fn main() {
     control::render(&mut md, &ours, &agents);
     probes::render(&mut md, &probe_rows, probe_rounds);
     let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
-    // Hand-written notes of the file being replaced are kept (see `notes`).
-    let old = std::fs::read_to_string(out.join("benchmarks.md")).unwrap_or_default();
-    let (md, kept, dropped) = notes::keep(&old, &md);
-    print!("{md}");
-    std::fs::write(out.join("benchmarks.md"), &md).expect("write docs/benchmarks.md");
-    if !kept.is_empty() {
-        eprintln!(
-            "bench: kept the hand-written notes {kept:?} of docs/benchmarks.md: they quote the previous run's \
-             figures, read them again against this run's"
-        );
-    }
-    if !dropped.is_empty() {
-        eprintln!(
-            "bench: docs/benchmarks.md had notes {dropped:?} with no place in the new file: dropped (see git)"
-        );
-    }
+    // Hand-written notes of the file being replaced are kept (see `notes`);
+    // when they cannot all be, the file is left alone.
+    let path = out.join("benchmarks.md");
+    let old = match std::fs::read_to_string(&path) {
+        Ok(old) => old,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => panic!("read docs/benchmarks.md: {e}"),
+    };
+    let refused = match notes::keep(&old, &md) {
+        Ok(notes::Kept { md, kept }) => {
+            print!("{md}");
+            std::fs::write(&path, &md).expect("write docs/benchmarks.md");
+            if !kept.is_empty() {
+                eprintln!(
+                    "bench: kept the hand-written notes {kept:?} of docs/benchmarks.md: they quote the previous \
+                     run's figures, read them again against this run's"
+                );
+            }
+            false
+        }
+        Err(why) => {
+            print!("{md}");
+            std::fs::write(out.join("benchmarks.md.new"), &md).expect("write docs/benchmarks.md.new");
+            eprintln!(
+                "bench: docs/benchmarks.md left alone, its notes could not all be kept ({why}); this run is in \
+                 docs/benchmarks.md.new"
+            );
+            true
+        }
+    };
     let mut results = json(&machine, &rows);
     results.truncate(results.trim_end().len() - 1);
     results.push_str(&protocols::json(&protocol_rows));
@@ -205,6 +219,10 @@ fn main() {
     results.push_str(&probes::json(&probe_rows));
     results.push_str("}\n");
     std::fs::write(out.join("bench-results.json"), results).expect("write results");
+    if refused {
+        eprintln!("bench: wrote docs/benchmarks.md.new and docs/bench-results.json");
+        std::process::exit(1);
+    }
     eprintln!("bench: wrote docs/benchmarks.md and docs/bench-results.json");
 }
 

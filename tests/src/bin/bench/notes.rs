@@ -3,9 +3,11 @@
 //! generated text has a slot for each ([`slot`]); when the file is written
 //! again, each slot takes the block of the same name from the file being
 //! replaced ([`keep`]), markers included, so that analysis written by hand is
-//! not lost to the next `cargo xtask bench`. A kept block still quotes the
-//! figures of the run it was written for: the bench says which blocks it
-//! kept, to be read again against the new figures.
+//! not lost to the next `cargo xtask bench`. When the old file's notes
+//! cannot all be carried over (a malformed marker, a block with no slot),
+//! the bench leaves the file alone and writes the run beside it. A kept
+//! block still quotes the figures of the run it was written for: the bench
+//! says which blocks it kept, to be read again against the new figures.
 
 use std::fmt::Write as _;
 
@@ -18,81 +20,138 @@ pub fn slot(md: &mut String, name: &str) {
     let _ = writeln!(md, "{OPEN}{name}{END}\n{CLOSE}{name}{END}");
 }
 
+/// What [`keep`] made: the file to write, and the names of the blocks it
+/// carried over with text in them.
+pub struct Kept {
+    pub md: String,
+    pub kept: Vec<String>,
+}
+
 /// `new` with each slot's block replaced by the block of the same name in
-/// `old` (the file being replaced), and the names of the blocks kept with
-/// any text in them. A slot `old` has no block for stays empty; a block of
-/// `old` without a slot in `new` is dropped (returned in the second list).
-pub fn keep(old: &str, new: &str) -> (String, Vec<String>, Vec<String>) {
-    let mut out = String::with_capacity(new.len() + old.len());
+/// `old` (the file being replaced). A slot `old` has no block for stays
+/// empty. Refused, saying why, when `old`'s notes cannot all be carried
+/// over: a marker that is not part of a well-formed block (unclosed, an odd
+/// name, a marker inside a block), a name used twice, or a block with text
+/// and no slot in `new`. The caller then leaves the file alone.
+pub fn keep(old: &str, new: &str) -> Result<Kept, String> {
+    let old_parts = parse(old).map_err(|e| format!("the file being replaced: {e}"))?;
+    let new_parts = parse(new).map_err(|e| format!("the generated text: {e}"))?;
+    let old_blocks: Vec<(&str, &str, &str)> = old_parts
+        .iter()
+        .filter_map(|p| match *p {
+            Part::Block { name, block, body } => Some((name, block, body)),
+            Part::Text(_) => None,
+        })
+        .collect();
+    let slots: Vec<&str> = new_parts
+        .iter()
+        .filter_map(|p| match *p {
+            Part::Block { name, .. } => Some(name),
+            Part::Text(_) => None,
+        })
+        .collect();
+    let orphans: Vec<&str> = old_blocks
+        .iter()
+        .filter(|(name, _, body)| !slots.contains(name) && !body.trim().is_empty())
+        .map(|(name, _, _)| *name)
+        .collect();
+    if !orphans.is_empty() {
+        return Err(format!("notes {orphans:?} have no place in the generated text"));
+    }
+    let mut md = String::with_capacity(new.len() + old.len());
     let mut kept = Vec::new();
-    let mut rest = new;
-    let mut used = Vec::new();
-    while let Some(b) = next_block(rest) {
-        out.push_str(b.before);
-        match named(old, &b.name) {
-            Some(block) => {
-                if !body(block, &b.name).trim().is_empty() {
-                    kept.push(b.name.clone());
+    for part in &new_parts {
+        match *part {
+            Part::Text(t) => md.push_str(t),
+            Part::Block { name, block, .. } => match old_blocks.iter().find(|(n, _, _)| *n == name) {
+                Some((_, old_block, body)) => {
+                    if !body.trim().is_empty() {
+                        kept.push(name.to_string());
+                    }
+                    md.push_str(old_block);
                 }
-                out.push_str(block);
-            }
-            None => out.push_str(b.block),
+                None => md.push_str(block),
+            },
         }
-        used.push(b.name);
-        rest = b.after;
     }
-    out.push_str(rest);
-    let mut dropped = Vec::new();
-    let mut scan = old;
-    while let Some(b) = next_block(scan) {
-        if !used.contains(&b.name) && !body(b.block, &b.name).trim().is_empty() {
-            dropped.push(b.name);
+    Ok(Kept { md, kept })
+}
+
+#[derive(Clone, Copy)]
+enum Part<'a> {
+    Text(&'a str),
+    /// `block` with its markers, `body` between them.
+    Block {
+        name: &'a str,
+        block: &'a str,
+        body: &'a str,
+    },
+}
+
+/// `s` cut into text and blocks, in order; an error names the first line
+/// where a marker is not part of a well-formed block.
+fn parse(s: &str) -> Result<Vec<Part<'_>>, String> {
+    let line = |at: usize| s[..at].matches('\n').count() + 1;
+    let mut parts = Vec::new();
+    let mut names: Vec<&str> = Vec::new();
+    let mut at = 0;
+    while let Some(found) = s[at..].find(OPEN) {
+        let start = at + found;
+        if let Some(stray) = s[at..start].find(CLOSE) {
+            return Err(format!(
+                "line {}: a closing marker without its opening one",
+                line(at + stray)
+            ));
         }
-        scan = b.after;
+        let name_start = start + OPEN.len();
+        let name = s[name_start..]
+            .split_once(END)
+            .map(|(n, _)| n)
+            .filter(|n| {
+                !n.is_empty()
+                    && n.bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+            })
+            .ok_or_else(|| {
+                format!(
+                    "line {}: a marker whose name is not letters, digits, '-' or '_'",
+                    line(start)
+                )
+            })?;
+        if names.contains(&name) {
+            return Err(format!("line {}: a second block named {name:?}", line(start)));
+        }
+        let body_start = name_start + name.len() + END.len();
+        let close = format!("{CLOSE}{name}{END}");
+        let body_end = body_start
+            + s[body_start..]
+                .find(&close)
+                .ok_or_else(|| format!("line {}: block {name:?} is never closed", line(start)))?;
+        let body = &s[body_start..body_end];
+        if let Some(inner) = body.find(OPEN).or_else(|| body.find(CLOSE)) {
+            return Err(format!(
+                "line {}: a marker inside block {name:?}",
+                line(body_start + inner)
+            ));
+        }
+        let end = body_end + close.len();
+        parts.push(Part::Text(&s[at..start]));
+        parts.push(Part::Block {
+            name,
+            block: &s[start..end],
+            body,
+        });
+        names.push(name);
+        at = end;
     }
-    (out, kept, dropped)
-}
-
-struct Block<'a> {
-    before: &'a str,
-    name: String,
-    /// Markers included.
-    block: &'a str,
-    after: &'a str,
-}
-
-/// The first whole block in `s`.
-fn next_block(s: &str) -> Option<Block<'_>> {
-    let start = s.find(OPEN)?;
-    let name_end = start + OPEN.len() + s[start + OPEN.len()..].find(END)?;
-    let name = s[start + OPEN.len()..name_end].to_string();
-    let close = format!("{CLOSE}{name}{END}");
-    let end = name_end + s[name_end..].find(&close)? + close.len();
-    Some(Block {
-        before: &s[..start],
-        name,
-        block: &s[start..end],
-        after: &s[end..],
-    })
-}
-
-/// The block named `name` in `s`, markers included.
-fn named<'a>(s: &'a str, name: &str) -> Option<&'a str> {
-    let open = format!("{OPEN}{name}{END}");
-    let close = format!("{CLOSE}{name}{END}");
-    let start = s.find(&open)?;
-    let end = start + s[start..].find(&close)? + close.len();
-    Some(&s[start..end])
-}
-
-/// A block's text between its markers.
-fn body<'a>(block: &'a str, name: &str) -> &'a str {
-    let open = format!("{OPEN}{name}{END}");
-    let close = format!("{CLOSE}{name}{END}");
-    block
-        .strip_prefix(open.as_str())
-        .and_then(|b| b.strip_suffix(close.as_str()))
-        .unwrap_or("")
+    if let Some(stray) = s[at..].find(CLOSE) {
+        return Err(format!(
+            "line {}: a closing marker without its opening one",
+            line(at + stray)
+        ));
+    }
+    parts.push(Part::Text(&s[at..]));
+    Ok(parts)
 }
 
 #[cfg(test)]
@@ -108,78 +167,94 @@ mod tests {
         md
     }
 
+    fn with_notes(md: &str) -> String {
+        md.replace(
+            "<!-- notes: analysis -->\n",
+            "<!-- notes: analysis -->\nWhere the time goes: 0.86x.\n",
+        )
+        .replace(
+            "<!-- notes: about -->\n",
+            "<!-- notes: about -->\nOne full run.\n",
+        )
+    }
+
     #[test]
     fn a_new_run_keeps_the_hand_written_blocks_around_its_new_figures() {
-        let old = generated()
-            .replace("figures A", "figures OLD")
-            .replace(
-                "<!-- notes: analysis -->\n",
-                "<!-- notes: analysis -->\nWhere the time goes: 0.86x.\n",
-            )
-            .replace(
-                "<!-- notes: about -->\n",
-                "<!-- notes: about -->\nOne full run.\n",
-            );
-        let (md, kept, dropped) = keep(&old, &generated());
-        assert!(md.contains("figures A") && !md.contains("figures OLD"), "{md}");
-        assert!(
-            md.contains("<!-- notes: about -->\nOne full run.\n<!-- /notes: about -->\n\n| table |"),
-            "{md}"
-        );
-        assert!(
-            md.contains("<!-- notes: analysis -->\nWhere the time goes: 0.86x.\n<!-- /notes: analysis -->\n\n## Control"),
-            "{md}"
-        );
+        let old = with_notes(&generated()).replace("figures A", "figures OLD");
+        let Kept { md, kept } = keep(&old, &generated()).unwrap();
+        assert_eq!(md, with_notes(&generated()));
         assert_eq!(kept, ["about", "analysis"]);
-        assert!(dropped.is_empty());
-        // Kept again by the run after: nothing is lost or doubled.
-        let (again, _, _) = keep(&md, &generated());
-        assert_eq!(again, md);
+        // Kept again by the run after: nothing is lost, doubled or moved.
+        assert_eq!(keep(&md, &generated()).unwrap().md, md);
     }
 
     #[test]
-    fn slots_without_notes_stay_empty_and_orphaned_notes_are_reported() {
-        let (md, kept, dropped) = keep("no markers at all", &generated());
-        assert_eq!(md, generated());
-        assert!(kept.is_empty() && dropped.is_empty());
-        let old = "<!-- notes: gone -->\nold analysis\n<!-- /notes: gone -->\n";
-        let (md, kept, dropped) = keep(old, &generated());
+    fn slots_without_notes_stay_empty() {
+        let Kept { md, kept } = keep("no markers at all", &generated()).unwrap();
         assert_eq!(md, generated());
         assert!(kept.is_empty());
-        assert_eq!(dropped, ["gone"]);
+        // An empty block without a slot is no loss.
+        let old = "<!-- notes: gone -->\n<!-- /notes: gone -->\n";
+        assert_eq!(keep(old, &generated()).unwrap().md, generated());
     }
 
     #[test]
-    fn the_notes_in_docs_benchmarks_md_survive_the_next_run() {
-        // The file as the next run would generate it: the same figures, its
-        // slots empty.
+    fn notes_that_cannot_all_be_kept_refuse_the_write() {
+        let refused = |old: &str, why: &str| {
+            let e = keep(old, &generated())
+                .err()
+                .unwrap_or_else(|| panic!("kept {old:?}"));
+            assert!(e.contains(why), "{old:?}: {e}");
+        };
+        refused(
+            "<!-- notes: gone -->\nold analysis\n<!-- /notes: gone -->\n",
+            "no place",
+        );
+        refused(
+            "x\n<!-- notes: about -->\nhalf a note\n",
+            "line 2: block \"about\" is never closed",
+        );
+        refused("<!-- notes: about-->\ntext\n<!-- /notes: about -->\n", "name");
+        refused("<!-- notes: a b -->\ntext\n<!-- /notes: a b -->\n", "name");
+        refused(
+            "<!-- notes: about -->\nsee <!-- notes: analysis -->\n<!-- /notes: about -->\n",
+            "a marker inside block \"about\"",
+        );
+        refused(
+            "<!-- notes: about -->\nt\n<!-- /notes: analysis -->\n<!-- /notes: about -->\n",
+            "a marker inside",
+        );
+        refused(
+            "<!-- notes: about -->\na\n<!-- /notes: about -->\n<!-- notes: about -->\nb\n<!-- /notes: about -->\n",
+            "a second block",
+        );
+        refused(
+            "text\n<!-- /notes: about -->\n",
+            "line 2: a closing marker without",
+        );
+    }
+
+    #[test]
+    fn the_markers_in_docs_benchmarks_md_are_well_formed_and_round_trip() {
+        // The file with its blocks emptied (what the next run generates,
+        // figures aside) gets its notes back, unchanged.
         let doc = include_str!("../../../../docs/benchmarks.md");
-        let mut generated = String::new();
-        let mut rest = doc;
+        let mut emptied = String::new();
         let mut names = Vec::new();
-        while let Some(b) = next_block(rest) {
-            generated.push_str(b.before);
-            slot(&mut generated, &b.name);
-            // The closing marker's line end is in `after`.
-            generated.truncate(generated.len() - 1);
-            names.push(b.name);
-            rest = b.after;
+        for part in parse(doc).unwrap() {
+            match part {
+                Part::Text(t) => emptied.push_str(t),
+                Part::Block { name, .. } => {
+                    slot(&mut emptied, name);
+                    // The closing marker's line end is in the next text.
+                    emptied.pop();
+                    names.push(name);
+                }
+            }
         }
-        generated.push_str(rest);
         assert_eq!(names, ["about-this-run", "per-packet", "where-the-time-goes"]);
-        let (md, kept, dropped) = keep(doc, &generated);
+        let Kept { md, kept } = keep(doc, &emptied).unwrap();
         assert_eq!(md, doc);
         assert_eq!(kept, names);
-        assert!(dropped.is_empty());
-    }
-
-    #[test]
-    fn a_block_cut_short_is_left_as_generated() {
-        // An opening marker without its closing one is not a block: the
-        // generated slot stays, nothing of the old file is spliced in.
-        let old = "<!-- notes: about -->\nhalf a note\n";
-        let (md, kept, _) = keep(old, &generated());
-        assert_eq!(md, generated());
-        assert!(kept.is_empty());
     }
 }
