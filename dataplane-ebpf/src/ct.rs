@@ -423,8 +423,12 @@ fn same_frontend<A: Addr>(e: &CtEntry<A>, t: &CtKey<A>) -> bool {
 }
 
 /// Inserts `value` at `key` unless a live flow holds it; a closed or
-/// expired one is taken over (removed, then inserted with `BPF_NOEXIST`,
-/// so that of two CPUs racing for the key exactly one wins). With `flow`
+/// expired one is taken over (removed, then inserted with `BPF_NOEXIST`:
+/// of two CPUs racing for a free key exactly one wins; of two taking over
+/// the same closed holder, the later remove can delete the earlier one's
+/// fresh claim, since a map delete cannot be made conditional: both
+/// lookups and both claims must then fall within the same few hundred
+/// nanoseconds, for two clients whose ports hash alike). With `flow`
 /// (a masqueraded flow claiming its hashed port), a holder from the same
 /// client address and port is that flow's tuple (see [`clear_tuple`]):
 /// taken over if closed or through the same frontend, a clash otherwise.
@@ -463,7 +467,7 @@ pub fn claim<F: Family>(
         }
         None => Claim::Free,
     };
-    // BPF_NOEXIST: of CPUs racing for the key, exactly one wins.
+    // BPF_NOEXIST: of CPUs racing for a free key, exactly one wins.
     if F::ct().insert(key, value, BPF_NOEXIST as u64).is_err() {
         return Claim::Busy;
     }
