@@ -427,8 +427,8 @@ fn same_frontend<A: Addr>(e: &CtEntry<A>, t: &CtKey<A>) -> bool {
 /// of two CPUs racing for a free key exactly one wins; of two taking over
 /// the same closed holder, the later remove can delete the earlier one's
 /// fresh claim, since a map delete cannot be made conditional: both
-/// lookups and both claims must then fall within the same few hundred
-/// nanoseconds, for two clients whose ports hash alike). With `flow`
+/// lookups and both claims must then fall within about a microsecond, for
+/// two clients whose ports hash alike). With `flow`
 /// (a masqueraded flow claiming its hashed port), a holder from the same
 /// client address and port is that flow's tuple (see [`clear_tuple`]):
 /// taken over if closed or through the same frontend, a clash otherwise.
