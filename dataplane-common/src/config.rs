@@ -115,8 +115,13 @@ pub struct DpConfig {
     pub snat_ip6: Ip6,
     pub cluster_cidr6: Cidr6,
     pub service_cidrs6: [Cidr6; MAX_SERVICE_CIDRS],
+    /// Maglev ([`crate::maglev`]): the seed of the flow hash, the same on
+    /// every node (so that every node picks the same backend for a flow),
+    /// and the table size M (a prime; 0 when no frontend uses Maglev).
+    pub maglev_seed: u32,
+    pub maglev_size: u32,
 }
-crate::assert_layout!(DpConfig, 264, 8);
+crate::assert_layout!(DpConfig, 272, 8);
 
 impl DpConfig {
     /// `ip` (network order) is in one of the IPv6 service CIDRs.
@@ -158,9 +163,12 @@ pub mod config_flags {
     /// The address filters (`DP_ADDR_FILTER_V2`) are written: a clear bit
     /// may be trusted. Until then every address passes the filter.
     pub const FILTER_READY: u32 = 1 << 3;
-    /// Host routing: packets the TC ingress paths translated go straight to
+    /// Host routing: packets the ingress paths translated go straight to
     /// the device the kernel's FIB names for their new destination,
-    /// skipping the node's IP stack (see `dataplane-ebpf/src/route.rs`).
+    /// skipping the node's IP stack: TC redirects them, XDP forwards them
+    /// (`XDP_TX`, or `XDP_REDIRECT` to a device in
+    /// [`crate::names::XDP_DEVICES`]) after applying the source rewrite the
+    /// egress hook would have made (see `dataplane-ebpf/src/route.rs`).
     pub const HOST_ROUTING: u32 = 1 << 4;
 }
 

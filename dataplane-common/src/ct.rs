@@ -140,6 +140,11 @@ pub mod ct_flags {
     /// Masqueraded with a port other than its hash: explicit egress
     /// entries exist.
     pub const EXPLICIT: u8 = 1 << 3;
+    /// A `FWD_IN` of a direct-server-return flow, on the node that chose
+    /// its backend: packets are sent to `nat_daddr` (the backend, on
+    /// another node) encapsulated, untranslated; the replies never come
+    /// back here, so the flow has no other entry on this node.
+    pub const DSR: u8 = 1 << 4;
 }
 
 /// Indexes of [`Ct4Entry::state`].

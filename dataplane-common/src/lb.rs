@@ -40,12 +40,13 @@ pub type Lb6ServiceKey = LbServiceKey<Ip6>;
 crate::assert_layout!(Lb4ServiceKey, 12, 4);
 crate::assert_layout!(Lb6ServiceKey, 24, 4);
 
-/// Value of the services map. For slot 0 (the frontend) every field but
-/// `backend_id` is meaningful; for backend slots only `backend_id`.
+/// Value of the services map. For slot 0 (the frontend) every field is
+/// meaningful; for backend slots only `backend_id`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Lb4Service {
-    /// Backend slots: the backend id. Frontend: 0.
+    /// Backend slots: the backend id. Frontend: its Maglev table
+    /// ([`MaglevKey::table`]) with [`service_flags::MAGLEV`], else 0.
     pub backend_id: u32,
     /// Identifies the Service port (shared by all its frontends): stats,
     /// affinity and source ranges are keyed by it.
@@ -87,6 +88,18 @@ pub mod service_flags {
     pub const INTERNAL_LOCAL: u16 = 1 << 10;
     /// eTP=Local (informational for inspect).
     pub const EXTERNAL_LOCAL: u16 = 1 << 11;
+    /// New flows take the backend the frontend's Maglev table names for
+    /// their hash ([`super::MaglevKey`]; the table id is slot 0's
+    /// `backend_id`) instead of a random slot: every node with the same
+    /// backends and seed picks the same one.
+    pub const MAGLEV: u16 = 1 << 12;
+    /// Direct server return (with [`MASQUERADE`]'s place: an eTP=Cluster
+    /// external destination): a new flow from outside whose backend runs on
+    /// another node is sent there encapsulated (IPIP, IPv6-in-IPv6) and
+    /// untranslated, keeping the client's address; that node translates it
+    /// and its replies go to the client straight from there. A local
+    /// backend gets the flow unmasqueraded.
+    pub const DSR: u16 = 1 << 13;
 }
 
 #[repr(C)]
@@ -161,8 +174,59 @@ impl<A: Addr> SourceRangeData<A> {
     pub const BITS: u32 = 32 + 8 * core::mem::size_of::<A>() as u32;
 }
 
-crate::impl_pod!(Lb4Service, Lb4AffinityValue);
-crate::impl_pod_generic!(LbServiceKey, LbBackend, AffinityKey, SourceRangeData);
+/// Backend ids per Maglev table chunk: a table of M entries is stored as
+/// `ceil(M / MAGLEV_CHUNK)` values of a hash map (allocated as they are
+/// written: a node pays for the tables it uses), each written whole.
+pub const MAGLEV_CHUNK: usize = 1024;
+/// The largest table (Katran's ring size): 65 chunks.
+pub const MAGLEV_MAX_SIZE: u32 = 65_537;
+
+/// Key of the Maglev tables map: entry `i` of table `table` is entry
+/// `i % MAGLEV_CHUNK` of chunk `i / MAGLEV_CHUNK`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MaglevKey {
+    /// A backend set of one service port: `service_id * 2`, plus 1 for its
+    /// local set (see the agent's `state::maglev`).
+    pub table: u32,
+    pub chunk: u32,
+}
+crate::assert_layout!(MaglevKey, 8, 4);
+
+/// One chunk of a Maglev table: backend ids (0: unfilled, past the end).
+pub type MaglevChunk = [u32; MAGLEV_CHUNK];
+
+/// Key of the DSR map on the backend's node: which local backend an
+/// encapsulated packet to `backend` through frontend `address:port` is for.
+/// NodePorts are keyed with `address` zero: the client reached another
+/// node's address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct DsrKey<A> {
+    /// Frontend address (network order); zero for a NodePort.
+    pub address: A,
+    /// The backend the packet was sent to (its outer destination).
+    pub backend: A,
+    /// Frontend port (network order).
+    pub port: u16,
+    pub proto: u8,
+    pub _pad: u8,
+}
+pub type Dsr4Key = DsrKey<u32>;
+pub type Dsr6Key = DsrKey<Ip6>;
+crate::assert_layout!(Dsr4Key, 12, 4);
+crate::assert_layout!(Dsr6Key, 36, 4);
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DsrValue {
+    pub backend_id: u32,
+    pub service_id: u32,
+}
+crate::assert_layout!(DsrValue, 8, 4);
+
+crate::impl_pod!(Lb4Service, Lb4AffinityValue, MaglevKey, DsrValue);
+crate::impl_pod_generic!(LbServiceKey, LbBackend, AffinityKey, SourceRangeData, DsrKey);
 
 /// Who a service id belongs to, for `inspect` and for a restarted agent to
 /// keep ids stable. Written by the agent only; NUL-padded UTF-8.

@@ -15,6 +15,7 @@ pub mod ct;
 pub mod filter;
 pub mod hint;
 pub mod lb;
+pub mod maglev;
 pub mod sctp;
 pub mod stats;
 
@@ -29,7 +30,7 @@ pub mod names {
     pub const LB4_AFFINITY: &str = "LB4_AFFINITY_V1";
     pub const LB4_SOURCE_RANGES: &str = "LB4_SOURCE_RANGES_V1";
     pub const CT4: &str = "CT4_V2";
-    pub const CONFIG: &str = "DP_CONFIG_V3";
+    pub const CONFIG: &str = "DP_CONFIG_V4";
     /// Bitmaps of the addresses the hooks act on ([`crate::filter`]).
     pub const ADDR_FILTER: &str = "DP_ADDR_FILTER_V2";
     /// Bitmap of the devices whose ingress word egress may trust
@@ -39,7 +40,7 @@ pub mod names {
     pub const SNAT_CURSORS: &str = "DP_SNAT_CURSORS_V1";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by
     /// [`crate::stats::FlowStat`]: what new flows needed.
-    pub const FLOW_STATS: &str = "DP_FLOW_STATS_V1";
+    pub const FLOW_STATS: &str = "DP_FLOW_STATS_V2";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by [`crate::stats::Event`].
     pub const COUNTERS: &str = "DP_COUNTERS_V1";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by service id.
@@ -51,6 +52,16 @@ pub mod names {
     /// Socket cookie + backend → Service address (connect-time LB).
     pub const SOCK4_REVNAT: &str = "SOCK4_REVNAT_V1";
 
+    /// Maglev tables ([`crate::lb::MaglevKey`] → a chunk of backend ids),
+    /// for both families (tables are per service port).
+    pub const LB_MAGLEV: &str = "LB_MAGLEV_V1";
+    /// The backend's node of a DSR flow: which local backend an
+    /// encapsulated packet is for ([`crate::lb::DsrKey`]).
+    pub const LB4_DSR: &str = "LB4_DSR_V1";
+    /// Devices XDP may forward translated packets to (`XDP_REDIRECT`), by
+    /// ifindex: the external devices that run our XDP natively.
+    pub const XDP_DEVICES: &str = "DP_XDP_DEVICES_V1";
+
     /// IPv6 twins of the maps above.
     pub const LB6_SERVICES: &str = "LB6_SERVICES_V1";
     pub const LB6_BACKENDS: &str = "LB6_BACKENDS_V1";
@@ -58,9 +69,10 @@ pub mod names {
     pub const LB6_SOURCE_RANGES: &str = "LB6_SOURCE_RANGES_V1";
     pub const CT6: &str = "CT6_V1";
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
+    pub const LB6_DSR: &str = "LB6_DSR_V1";
 
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 20] = [
+    pub const ALL_MAPS: [&str; 24] = [
         CONFIG,
         ADDR_FILTER,
         HINT_DEVICES,
@@ -81,6 +93,10 @@ pub mod names {
         LB6_SOURCE_RANGES,
         CT6,
         SOCK6_REVNAT,
+        LB_MAGLEV,
+        LB4_DSR,
+        LB6_DSR,
+        XDP_DEVICES,
     ];
 
     /// XDP on the node's external devices: north-south translation.
@@ -122,6 +138,10 @@ pub mod proto {
     pub const TCP: u8 = 6;
     pub const UDP: u8 = 17;
     pub const SCTP: u8 = 132;
+    /// IPv4 in IPv4 (DSR's encapsulation).
+    pub const IPIP: u8 = 4;
+    /// IPv6 in IPv6 (DSR's encapsulation).
+    pub const IPV6_IN_IP: u8 = 41;
 }
 
 /// Default map capacities; the agent may size maps at load time.
@@ -142,6 +162,13 @@ pub mod limits {
     /// Ports tried (after the flow's hashed port) before a new flow is
     /// dropped for want of a SNAT port.
     pub const SNAT_ATTEMPTS: u32 = 32;
+    /// Chunks of Maglev tables (allocated as written): 1024 tables of the
+    /// default size (16 chunks each).
+    pub const MAGLEV_CHUNKS: u32 = 16_384;
+    /// DSR map entries (frontend, local backend) per family.
+    pub const DSR_ENTRIES: u32 = 65_536;
+    /// Devices XDP may redirect to (ifindexes, hashed).
+    pub const XDP_DEVICES: u32 = 64;
 }
 
 /// Compile-time layout check: `assert_layout!(Type, size, align)`.

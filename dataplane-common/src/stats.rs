@@ -114,10 +114,22 @@ pub enum Event {
     /// hook that saw the packet on this node left a word saying that nothing is to be
     /// done there (see [`crate::hint`]).
     PassByIngress = 18,
+    /// Not forwarded: too big for the path to the backend once
+    /// encapsulated (DSR); answered with ICMP "fragmentation needed"
+    /// (IPv6: "packet too big") naming the MTU left for it, so that the
+    /// client's path MTU discovery adapts.
+    RejectTooBig = 19,
+    /// Dropped: a DSR flow's packet that XDP could not send to the
+    /// backend's node (no complete route: the neighbour unresolved, say)
+    /// and cannot pass to the stack encapsulated (see docs/datapath.md).
+    DropDsrUnroutable = 20,
+    /// Dropped: an IPv4 packet without "don't fragment" too big for the
+    /// path once encapsulated (XDP does not fragment).
+    DropDsrTooBig = 21,
 }
 
 impl Event {
-    pub const ALL: [Event; 19] = [
+    pub const ALL: [Event; 22] = [
         Event::Pass,
         Event::NewFlow,
         Event::Established,
@@ -137,6 +149,9 @@ impl Event {
         Event::DropRejectFailed,
         Event::DropTupleClash,
         Event::PassByIngress,
+        Event::RejectTooBig,
+        Event::DropDsrUnroutable,
+        Event::DropDsrTooBig,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -160,6 +175,9 @@ impl Event {
             Event::DropRejectFailed => "drop_reject_failed",
             Event::DropTupleClash => "drop_tuple_clash",
             Event::PassByIngress => "pass_by_ingress",
+            Event::RejectTooBig => "reject_too_big",
+            Event::DropDsrUnroutable => "drop_dsr_unroutable",
+            Event::DropDsrTooBig => "drop_dsr_too_big",
         }
     }
 
@@ -174,6 +192,8 @@ impl Event {
                 | Event::DropNoBackend
                 | Event::DropRejectFailed
                 | Event::DropTupleClash
+                | Event::DropDsrUnroutable
+                | Event::DropDsrTooBig
         )
     }
 }
@@ -205,10 +225,40 @@ pub enum FlowStat {
     /// Packets sent by host routing straight to the device of their route
     /// (counted per packet, not per flow).
     HostRouted = 6,
+    /// Packets XDP forwarded itself (`XDP_TX` out of the device they came
+    /// in on, `XDP_REDIRECT` to another), never climbing the node's stack.
+    XdpForwarded = 7,
+    /// Translated packets host routing or XDP forwarding left to the stack,
+    /// by reason (counted per packet): the next hop's neighbour entry is
+    /// not resolved...
+    FwdNoNeighbour = 8,
+    /// ... the packet exceeds the route's MTU (the stack answers with
+    /// ICMP)...
+    FwdFragNeeded = 9,
+    /// ... the FIB does not forward it (a local destination, no route,
+    /// forwarding disabled on the device)...
+    FwdNotForwarded = 10,
+    /// ... its TTL (hop limit) would expire (the stack answers with ICMP)...
+    FwdTtl = 11,
+    /// ... the route's device does not take XDP frames (not one of ours in
+    /// native XDP: a veth to a pod, say)...
+    FwdDevice = 12,
+    /// ... anything else: a VLAN tag, a masqueraded flow whose SNAT port's
+    /// entry no longer names its client (egress passes such packets
+    /// untranslated, as before).
+    FwdOther = 13,
+    /// Packets sent to a backend on another node encapsulated (DSR).
+    DsrEncapsulated = 14,
+    /// Encapsulated packets received for a local backend and translated.
+    DsrDecapsulated = 15,
+    /// New DSR flows XDP could not route to the backend's node at their
+    /// first packet, served masqueraded instead (the stack resolves the
+    /// neighbour meanwhile).
+    DsrFallbackSnat = 16,
 }
 
 impl FlowStat {
-    pub const ALL: [FlowStat; 7] = [
+    pub const ALL: [FlowStat; 17] = [
         FlowStat::SnatHashed,
         FlowStat::SnatFallback,
         FlowStat::SnatTakeover,
@@ -216,6 +266,16 @@ impl FlowStat {
         FlowStat::SnatPortsBusy,
         FlowStat::TupleTakeover,
         FlowStat::HostRouted,
+        FlowStat::XdpForwarded,
+        FlowStat::FwdNoNeighbour,
+        FlowStat::FwdFragNeeded,
+        FlowStat::FwdNotForwarded,
+        FlowStat::FwdTtl,
+        FlowStat::FwdDevice,
+        FlowStat::FwdOther,
+        FlowStat::DsrEncapsulated,
+        FlowStat::DsrDecapsulated,
+        FlowStat::DsrFallbackSnat,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -227,9 +287,19 @@ impl FlowStat {
             FlowStat::SnatPortsBusy => "snat_ports_busy",
             FlowStat::TupleTakeover => "tuple_takeover",
             FlowStat::HostRouted => "host_routed",
+            FlowStat::XdpForwarded => "xdp_forwarded",
+            FlowStat::FwdNoNeighbour => "forward_fallback_no_neighbour",
+            FlowStat::FwdFragNeeded => "forward_fallback_frag_needed",
+            FlowStat::FwdNotForwarded => "forward_fallback_not_forwarded",
+            FlowStat::FwdTtl => "forward_fallback_ttl",
+            FlowStat::FwdDevice => "forward_fallback_device",
+            FlowStat::FwdOther => "forward_fallback_other",
+            FlowStat::DsrEncapsulated => "dsr_encapsulated",
+            FlowStat::DsrDecapsulated => "dsr_decapsulated",
+            FlowStat::DsrFallbackSnat => "dsr_fallback_snat",
         }
     }
 }
 
 /// Slots in [`crate::names::FLOW_STATS`].
-pub const FLOW_STAT_SLOTS: u32 = 16;
+pub const FLOW_STAT_SLOTS: u32 = 32;

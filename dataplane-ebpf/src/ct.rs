@@ -18,7 +18,7 @@ use crate::{
     family::Family,
     flow::Choice,
     maps::CtScratch,
-    parse::{TCP_FIN, TCP_RST},
+    parse::{TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 const NS_PER_S: u64 = 1_000_000_000;
@@ -131,6 +131,15 @@ pub fn touch<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp_
     if teardown || first_reply || now.saturating_sub(last) > NS_PER_S {
         touch_flow::<F>(key, e, now, tcp_flags);
     }
+}
+
+/// A DSR flow's replies never come through this node: a TCP segment from
+/// the client that is not a SYN shows that the backend answered (the
+/// client acknowledges its SYN-ACK), which is as good a sign of an
+/// established connection as the reply itself.
+#[inline(always)]
+fn dsr_answered(proto: u8, flags: u8, tcp_flags: u8) -> bool {
+    flags & ct_flags::DSR != 0 && proto == proto::TCP && tcp_flags & TCP_SYN == 0
 }
 
 #[inline(never)]
@@ -329,6 +338,47 @@ pub fn create<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>,
         return Event::DropCtFull;
     }
     Event::NewFlow
+}
+
+/// Creates a new DSR flow's entry: its `FWD_IN`, the only one on this node
+/// (the replies go from the backend's node to the client), naming the
+/// backend its packets are sent to, untranslated.
+#[inline(always)]
+pub fn create_dsr<F: Family>(t: &CtKey<F::A>, choice: &Choice<F::A>, now: u64) -> Event {
+    let Some(s) = scratch::<F>() else {
+        return Event::DropCtFull;
+    };
+    entries(s, t, choice, now);
+    s.a.flags = ct_flags::FWD_IN | ct_flags::DSR;
+    if F::ct().insert(t, &s.a, BPF_ANY as u64).is_err() {
+        return Event::DropCtFull;
+    }
+    Event::NewFlow
+}
+
+/// A DSR flow's `FWD_IN` (see [`create_dsr`]) for a packet of its: the
+/// flow's whole state on this node. Notes TCP teardown and that the client
+/// got an answer (see [`dsr_answered`]), and refreshes it at most once a
+/// second; no other entry to keep in step.
+#[inline(always)]
+pub fn touch_dsr<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp_flags: u8) {
+    // SAFETY: a map value pointer, valid for this run; plain reads.
+    let (last, flags, state) = unsafe { ((*e).last_seen_ns, (*e).flags, (*e).state) };
+    let tcp = key.proto == proto::TCP;
+    let mut news = 0u8;
+    if state[state::REPLIED] == 0 && dsr_answered(key.proto, flags, tcp_flags) {
+        news |= 1 << state::REPLIED;
+    }
+    if tcp && tcp_flags & TCP_FIN != 0 && state[state::FIN_FWD] == 0 {
+        news |= 1 << state::FIN_FWD;
+    }
+    if tcp && tcp_flags & TCP_RST != 0 && state[state::RST] == 0 {
+        news |= 1 << state::RST;
+    }
+    let refresh = now.saturating_sub(last) > NS_PER_S;
+    if news != 0 || refresh {
+        update(e, news, refresh, now);
+    }
 }
 
 /// Makes room for a new flow `t` to `choice`'s backend, or returns

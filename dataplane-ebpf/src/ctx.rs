@@ -14,13 +14,20 @@
 
 use aya_ebpf::{
     bindings::{
-        BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR, BPF_F_RECOMPUTE_CSUM, TC_ACT_OK, TC_ACT_SHOT,
+        BPF_F_ADJ_ROOM_DECAP_L3_IPV4, BPF_F_ADJ_ROOM_DECAP_L3_IPV6, BPF_F_ADJ_ROOM_ENCAP_L3_IPV4,
+        BPF_F_ADJ_ROOM_ENCAP_L3_IPV6, BPF_F_ADJ_ROOM_FIXED_GSO, BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR,
+        BPF_F_RECOMPUTE_CSUM, TC_ACT_OK, TC_ACT_SHOT,
+        bpf_adj_room_mode::BPF_ADJ_ROOM_MAC,
+        bpf_fib_lookup,
         xdp_action::{XDP_DROP, XDP_PASS, XDP_TX},
     },
-    helpers::{bpf_redirect, bpf_skb_change_tail, bpf_xdp_adjust_head, bpf_xdp_adjust_tail},
+    helpers::{
+        bpf_fib_lookup as fib_lookup, bpf_redirect, bpf_skb_adjust_room, bpf_skb_change_tail,
+        bpf_xdp_adjust_head, bpf_xdp_adjust_tail,
+    },
     programs::{TcContext, XdpContext},
 };
-use dataplane_common::{addr::Addr, hint, proto, sctp};
+use dataplane_common::{addr::Addr, config::DpConfig, hint, proto, sctp};
 
 use crate::{
     csum,
@@ -69,9 +76,33 @@ pub trait Ctx {
     /// Stores `value` at `offset`; the caller keeps the checksums right.
     fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()>;
 
+    /// XDP: forwards translated packets itself under host routing, and
+    /// cannot hand an encapsulated packet to the stack (`route`, `dsr`).
+    const XDP: bool;
+
     /// Host routing: sends a translated packet straight to its route's
-    /// device (see `route`); `None` leaves it to the stack. XDP does not.
-    fn route(&self) -> Option<Self::Verdict>;
+    /// device (see `route`); `None` leaves it to the stack.
+    fn route(&self, cfg: &DpConfig) -> Option<Self::Verdict>;
+
+    /// The device the packet came in on.
+    fn ingress_ifindex(&self) -> u32;
+    /// The payload bytes per segment of an aggregated (GSO) packet; 0 for
+    /// a plain one (always, in XDP).
+    fn gso_size(&self) -> u32;
+    /// `bpf_fib_lookup` for this packet's context; the helper's return code.
+    fn fib(&self, p: &mut bpf_fib_lookup, flags: u32) -> i64;
+    /// Makes room for an outer IP header (`v6`: IPv6) of `len` bytes
+    /// between the Ethernet header (untagged) and the IP packet; the
+    /// Ethernet header stays in front. Pointers must be derived again.
+    fn push_outer(&self, len: u32, v6: bool) -> Option<()>;
+    /// Removes the `len` bytes after the Ethernet header (an outer IP
+    /// header), keeping the Ethernet header in front.
+    fn pop_outer(&self, len: u32, v6: bool) -> Option<()>;
+    /// Whether a new DSR flow's packets can be sent to `backend`'s node
+    /// from this hook: TC always can (`bpf_redirect_neigh` resolves the
+    /// next hop); XDP when the FIB names a complete route through a device
+    /// it can send to.
+    fn dsr_sendable<F: Family>(&self, cfg: &DpConfig, backend: &F::A) -> bool;
 
     /// Ingress: leaves `word` on the packet for the egress hook (see
     /// `dataplane_common::hint`); XDP has nowhere to leave it.
@@ -240,9 +271,60 @@ impl Ctx for XdpContext {
         Some(())
     }
 
+    const XDP: bool = true;
+
     #[inline(always)]
-    fn route(&self) -> Option<u32> {
-        None
+    fn route(&self, cfg: &DpConfig) -> Option<u32> {
+        crate::route::xdp(self, cfg)
+    }
+
+    #[inline(always)]
+    fn ingress_ifindex(&self) -> u32 {
+        // SAFETY: reads the context's field.
+        unsafe { (*self.ctx).ingress_ifindex }
+    }
+
+    #[inline(always)]
+    fn gso_size(&self) -> u32 {
+        0
+    }
+
+    #[inline(always)]
+    fn fib(&self, p: &mut bpf_fib_lookup, flags: u32) -> i64 {
+        // SAFETY: the helper reads and writes `p`, whose size is passed.
+        unsafe {
+            fib_lookup(
+                self.ctx as *mut _,
+                p,
+                core::mem::size_of::<bpf_fib_lookup>() as i32,
+                flags,
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn push_outer(&self, len: u32, _v6: bool) -> Option<()> {
+        let eth: [u8; 14] = load(self, 0)?;
+        // SAFETY: helper on our own context; pointers are derived after it.
+        if unsafe { bpf_xdp_adjust_head(self.ctx, -(len as i32)) } != 0 {
+            return None;
+        }
+        self.store(0, &eth)
+    }
+
+    #[inline(always)]
+    fn pop_outer(&self, len: u32, _v6: bool) -> Option<()> {
+        let eth: [u8; 14] = load(self, 0)?;
+        // SAFETY: as above.
+        if unsafe { bpf_xdp_adjust_head(self.ctx, len as i32) } != 0 {
+            return None;
+        }
+        self.store(0, &eth)
+    }
+
+    #[inline(always)]
+    fn dsr_sendable<F: Family>(&self, cfg: &DpConfig, backend: &F::A) -> bool {
+        crate::dsr::reachable_xdp::<F>(self, cfg, backend)
     }
 
     #[inline(always)]
@@ -374,9 +456,74 @@ impl Ctx for TcContext {
         Some(())
     }
 
+    const XDP: bool = false;
+
     #[inline(always)]
-    fn route(&self) -> Option<i32> {
+    fn route(&self, _cfg: &DpConfig) -> Option<i32> {
         crate::route::tc(self)
+    }
+
+    // `ifindex`, not `ingress_ifindex` (`skb_iif`): the same device at TC
+    // ingress, and the one BPF_PROG_TEST_RUN lets a test set.
+    #[allow(clippy::misnamed_getters)]
+    #[inline(always)]
+    fn ingress_ifindex(&self) -> u32 {
+        // SAFETY: reads the context's field (at ingress, the device the
+        // packet came in on).
+        unsafe { (*self.skb.skb).ifindex }
+    }
+
+    #[inline(always)]
+    fn gso_size(&self) -> u32 {
+        // SAFETY: reads the context's field.
+        unsafe { (*self.skb.skb).gso_size }
+    }
+
+    #[inline(always)]
+    fn fib(&self, p: &mut bpf_fib_lookup, flags: u32) -> i64 {
+        // SAFETY: as XDP's.
+        unsafe {
+            fib_lookup(
+                self.skb.skb as *mut _,
+                p,
+                core::mem::size_of::<bpf_fib_lookup>() as i32,
+                flags,
+            )
+        }
+    }
+
+    #[inline(always)]
+    fn push_outer(&self, len: u32, v6: bool) -> Option<()> {
+        // FIXED_GSO: a GSO packet's segments keep their size, each grows by
+        // the outer header; the ENCAP flag makes its segmentation build
+        // the outer header for each.
+        let encap = if v6 {
+            BPF_F_ADJ_ROOM_ENCAP_L3_IPV6
+        } else {
+            BPF_F_ADJ_ROOM_ENCAP_L3_IPV4
+        };
+        let flags = (BPF_F_ADJ_ROOM_FIXED_GSO | encap) as u64;
+        // SAFETY: helper on our own context.
+        let rc = unsafe { bpf_skb_adjust_room(self.skb.skb, len as i32, BPF_ADJ_ROOM_MAC, flags) };
+        (rc == 0).then_some(())
+    }
+
+    #[inline(always)]
+    fn dsr_sendable<F: Family>(&self, _cfg: &DpConfig, _backend: &F::A) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    fn pop_outer(&self, len: u32, v6: bool) -> Option<()> {
+        let decap = if v6 {
+            BPF_F_ADJ_ROOM_DECAP_L3_IPV6
+        } else {
+            BPF_F_ADJ_ROOM_DECAP_L3_IPV4
+        };
+        let flags = (BPF_F_ADJ_ROOM_FIXED_GSO | decap) as u64;
+        // SAFETY: as above.
+        let rc = unsafe { bpf_skb_adjust_room(self.skb.skb, -(len as i32), BPF_ADJ_ROOM_MAC, flags) };
+        (rc == 0).then_some(())
     }
 
     #[inline(always)]

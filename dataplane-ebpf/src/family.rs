@@ -8,15 +8,17 @@ use dataplane_common::{
     addr::{Addr, Ip6},
     config::DpConfig,
     ct::{CtEntry, CtKey},
-    lb::{AffinityKey, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData},
+    lb::{
+        AffinityKey, DsrKey, DsrValue, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData,
+    },
     proto,
 };
 
 use crate::{
     ctx::Ctx,
     maps::{
-        AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CT_SCRATCH4, CT_SCRATCH6, CT4, CT6, CtScratch, SERVICES,
-        SERVICES6, SOURCE_RANGES, SOURCE_RANGES6,
+        AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CT_SCRATCH4, CT_SCRATCH6, CT4, CT6, CtScratch, DSR4, DSR6,
+        SERVICES, SERVICES6, SOURCE_RANGES, SOURCE_RANGES6,
     },
     parse::{Parsed, Pkt, parse4, parse6},
 };
@@ -35,6 +37,9 @@ pub trait Family: 'static {
     const IP_CHECKSUM: bool;
     /// ICMP's protocol number in this family.
     const ICMP: u8;
+    /// The protocol number of this family's packets carried in an outer
+    /// header of the same family (DSR): IPIP (4), IPv6-in-IPv6 (41).
+    const ENCAP: u8;
 
     /// Parses the packet whose IP header of this family starts at `l3`;
     /// anything but a packet we may translate comes back as `Err`.
@@ -46,6 +51,7 @@ pub trait Family: 'static {
     fn backends() -> &'static Array<LbBackend<Self::A>>;
     fn affinity() -> &'static LruHashMap<AffinityKey<Self::A>, Lb4AffinityValue>;
     fn source_ranges() -> &'static LpmTrie<SourceRangeData<Self::A>, u8>;
+    fn dsr() -> &'static HashMap<DsrKey<Self::A>, DsrValue>;
 
     /// The node's SNAT address in this family (zero: none).
     fn snat_ip(cfg: &DpConfig) -> Self::A;
@@ -66,6 +72,7 @@ impl Family for V4 {
     type Hdr = network_types::ip::Ipv4Hdr;
     const IP_CHECKSUM: bool = true;
     const ICMP: u8 = proto::ICMP;
+    const ENCAP: u8 = proto::IPIP;
 
     #[inline(always)]
     fn parse<C: Ctx>(ctx: &C, l3: usize) -> Result<Pkt<u32>, Parsed> {
@@ -99,6 +106,10 @@ impl Family for V4 {
         &SOURCE_RANGES
     }
     #[inline(always)]
+    fn dsr() -> &'static HashMap<DsrKey<u32>, DsrValue> {
+        &DSR4
+    }
+    #[inline(always)]
     fn snat_ip(cfg: &DpConfig) -> u32 {
         cfg.snat_ip
     }
@@ -124,6 +135,7 @@ impl Family for V6 {
     type Hdr = network_types::ip::Ipv6Hdr;
     const IP_CHECKSUM: bool = false;
     const ICMP: u8 = proto::ICMPV6;
+    const ENCAP: u8 = proto::IPV6_IN_IP;
 
     #[inline(always)]
     fn parse<C: Ctx>(ctx: &C, l3: usize) -> Result<Pkt<Ip6>, Parsed> {
@@ -155,6 +167,10 @@ impl Family for V6 {
     #[inline(always)]
     fn source_ranges() -> &'static LpmTrie<SourceRangeData<Ip6>, u8> {
         &SOURCE_RANGES6
+    }
+    #[inline(always)]
+    fn dsr() -> &'static HashMap<DsrKey<Ip6>, DsrValue> {
+        &DSR6
     }
     #[inline(always)]
     fn snat_ip(cfg: &DpConfig) -> Ip6 {

@@ -6,9 +6,11 @@
 //! hooks apply the result their own way.
 
 use dataplane_common::{
+    addr::Addr,
     config::{DpConfig, config_flags},
     ct::CtKey,
-    lb::{Lb4Service, LbBackend, LbServiceKey, scope, service_flags},
+    lb::{Lb4Service, LbBackend, LbServiceKey, backend_flags, scope, service_flags},
+    maglev,
     stats::Event,
 };
 
@@ -100,21 +102,38 @@ pub struct Choice<A> {
     /// it is not the flow's hashed port.
     pub snat_port: u16,
     pub explicit: bool,
+    /// Direct server return: the backend runs on another node, which gets
+    /// the packet encapsulated and untranslated (see `dsr`).
+    pub dsr: bool,
 }
 
 /// Decides the flow `t`: for [`Event::NewFlow`], fills `out` with the
-/// backend, the service and whether to masquerade; any other event is the
-/// verdict. A subprogram; the caller creates the flow's entries with
-/// `ct::create` next to it (not below it: BPF stack frames add up along a
-/// call chain).
+/// backend, the service, whether to masquerade and whether to send it by
+/// DSR (only for packets that came in through an external device,
+/// `external`); any other event is the verdict. A subprogram; the caller
+/// creates the flow's entries with `ct::create` next to it (not below it:
+/// BPF stack frames add up along a call chain).
 #[inline(never)]
-pub fn decide<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, now: u64, out: &mut Choice<F::A>) -> Event {
+pub fn decide<F: Family>(
+    cfg: &DpConfig,
+    t: &CtKey<F::A>,
+    now: u64,
+    out: &mut Choice<F::A>,
+    external: bool,
+) -> Event {
     let from_cluster = F::in_cluster(cfg, &t.saddr);
     let (key, svc) = match resolve::<F>(cfg, t.daddr, t.dport, t.proto, t.saddr, from_cluster) {
         Ok(found) => found,
         Err(event) => return event,
     };
-    let Some((backend_id, be)) = lb::select::<F>(&key, &svc, t.saddr, now) else {
+    // Maglev: the client's address and port (an affinity frontend: its
+    // address alone, so that all its flows meet one backend).
+    let hash = if svc.flags & service_flags::AFFINITY != 0 {
+        maglev::flow_hash(t.saddr.fold(), 0, 0, cfg.maglev_seed)
+    } else {
+        maglev::flow_hash(t.saddr.fold(), t.sport, t.proto, cfg.maglev_seed)
+    };
+    let Some((backend_id, be)) = lb::select::<F>(cfg, &key, &svc, t.saddr, Some(hash), now) else {
         return Event::DropNoBackend;
     };
     // kube-proxy's masquerade rules: masqueradeAll applies to ClusterIPs
@@ -123,10 +142,16 @@ pub fn decide<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, now: u64, out: &mut Ch
     // Service). Never towards a host-network backend on this node: its
     // replies leave through tc_egress, which restores the frontend.
     let cluster_ip = svc.flags & service_flags::CLUSTER_IP != 0;
-    let snat = ((cfg.flags & config_flags::MASQUERADE_ALL != 0 && cluster_ip)
-        || svc.flags & service_flags::MASQUERADE != 0
-        || (cluster_ip && F::cluster_cidr_set(cfg) && !from_cluster)
-        || be.address == t.saddr)
+    let hairpin = be.address == t.saddr;
+    // DSR (an external destination that kube-proxy would masquerade): a
+    // remote backend gets the packet encapsulated, a local one
+    // unmasqueraded; the client's address is kept either way.
+    let dsr_frontend = external && svc.flags & service_flags::DSR != 0 && !hairpin;
+    let snat = !dsr_frontend
+        && ((cfg.flags & config_flags::MASQUERADE_ALL != 0 && cluster_ip)
+            || svc.flags & service_flags::MASQUERADE != 0
+            || (cluster_ip && F::cluster_cidr_set(cfg) && !from_cluster)
+            || hairpin)
         && be.address != F::snat_ip(cfg);
     *out = Choice {
         backend_id,
@@ -135,6 +160,7 @@ pub fn decide<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, now: u64, out: &mut Ch
         snat,
         snat_port: 0,
         explicit: false,
+        dsr: dsr_frontend && be.flags & backend_flags::LOCAL == 0,
     };
     Event::NewFlow
 }

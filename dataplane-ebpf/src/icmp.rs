@@ -20,6 +20,7 @@ use crate::{
 
 const ICMP_DEST_UNREACH: u8 = 3;
 const ICMP_PORT_UNREACH: u8 = 3;
+const ICMP_FRAG_NEEDED: u8 = 4;
 const ICMP_TIME_EXCEEDED: u8 = 11;
 const ICMP_PARAMETERPROB: u8 = 12;
 const ICMP6_DST_UNREACH: u8 = 1;
@@ -48,21 +49,49 @@ fn checksum(sum: u32, bytes: &[u8]) -> u16 {
     !csum::fold(sum)
 }
 
-/// Turns the packet into an ICMP port-unreachable from the destination it
-/// tried back to its source, and sends it out of the device it came in on.
-/// IPv4: only packets whose header has no options are answered; others are
-/// dropped (counted).
+/// Turns the packet into an ICMP error from the destination it tried back
+/// to its source, and sends it out of the device it came in on: with `mtu`
+/// 0 a port-unreachable, else "fragmentation needed" (ICMPv6: "packet too
+/// big") naming `mtu`. IPv4: only packets whose header has no options are
+/// answered; others are dropped (counted).
 #[inline(always)]
-pub fn reject<C: Ctx>(ctx: &C, v6: bool, l3: usize, l4: usize) -> (C::Verdict, Event) {
+pub fn reject<C: Ctx>(ctx: &C, v6: bool, l3: usize, l4: usize, mtu: u32) -> (C::Verdict, Event) {
+    // The ICMP header's first two bytes and its second word (as it lies
+    // in the packet), in one register: BPF functions take five arguments.
     let sent = if v6 {
-        build_reject6(ctx, l3)
+        let header = if mtu == 0 {
+            icmp_header(ICMP6_DST_UNREACH, ICMP6_PORT_UNREACH, 0)
+        } else {
+            icmp_header(ICMP6_PACKET_TOO_BIG, 0, mtu.to_be())
+        };
+        build_reject6(ctx, l3, header)
     } else {
-        build_reject4(ctx, l3, l4)
+        let header = if mtu == 0 {
+            icmp_header(ICMP_DEST_UNREACH, ICMP_PORT_UNREACH, 0)
+        } else {
+            // The next-hop MTU is the header's last 16 bits.
+            icmp_header(ICMP_DEST_UNREACH, ICMP_FRAG_NEEDED, ((mtu as u16) as u32).to_be())
+        };
+        build_reject4(ctx, l3, l4, header)
     };
     match sent {
         Some(v) => (v, Event::Pass),
         None => (C::DROP, Event::DropRejectFailed),
     }
+}
+
+/// Type, code and the header's second word (as it lies in the packet).
+#[inline(always)]
+fn icmp_header(icmp_type: u8, code: u8, rest: u32) -> u64 {
+    icmp_type as u64 | (code as u64) << 8 | (rest as u64) << 32
+}
+
+/// Writes [`icmp_header`]'s fields at `f[at..at + 8]` (checksum zero).
+#[inline(always)]
+fn put_header(f: &mut [u8], at: usize, header: u64) {
+    f[at] = header as u8;
+    f[at + 1] = (header >> 8) as u8;
+    f[at + 4..at + 8].copy_from_slice(&((header >> 32) as u32).to_ne_bytes());
 }
 
 /// This CPU's reject scratch space as an `N`-byte frame, zeroed.
@@ -82,7 +111,7 @@ fn frame<const N: usize>() -> Option<&'static mut [u8; N]> {
 }
 
 #[inline(never)]
-fn build_reject4<C: Ctx>(ctx: &C, l3: usize, l4: usize) -> Option<C::Verdict> {
+fn build_reject4<C: Ctx>(ctx: &C, l3: usize, l4: usize, header: u64) -> Option<C::Verdict> {
     if l4 != l3 + ip::HLEN {
         return None;
     }
@@ -98,8 +127,7 @@ fn build_reject4<C: Ctx>(ctx: &C, l3: usize, l4: usize) -> Option<C::Verdict> {
     f[ip::DADDR..ip::DADDR + 4].copy_from_slice(&quote[ip::SADDR..ip::SADDR + 4]);
     let c = checksum(0, &f[..ip::HLEN]);
     f[ip::CHECK..ip::CHECK + 2].copy_from_slice(&c.to_ne_bytes());
-    f[ip::HLEN] = ICMP_DEST_UNREACH;
-    f[ip::HLEN + 1] = ICMP_PORT_UNREACH;
+    put_header(f, ip::HLEN, header);
     f[ip::HLEN + l4::ICMP_HLEN..].copy_from_slice(&quote);
     let c = checksum(0, &f[ip::HLEN..]);
     f[ip::HLEN + l4::ICMP_CHECK..ip::HLEN + l4::ICMP_CHECK + 2].copy_from_slice(&c.to_ne_bytes());
@@ -107,7 +135,7 @@ fn build_reject4<C: Ctx>(ctx: &C, l3: usize, l4: usize) -> Option<C::Verdict> {
 }
 
 #[inline(never)]
-fn build_reject6<C: Ctx>(ctx: &C, l3: usize) -> Option<C::Verdict> {
+fn build_reject6<C: Ctx>(ctx: &C, l3: usize, header: u64) -> Option<C::Verdict> {
     let quote: [u8; QUOTE6] = load(ctx, l3)?;
     let f = frame::<REJECT6_LEN>()?;
     f[0] = 0x60;
@@ -117,8 +145,7 @@ fn build_reject6<C: Ctx>(ctx: &C, l3: usize) -> Option<C::Verdict> {
     f[ip6::NEXT_HDR + 1] = 64; // hop limit
     f[ip6::SADDR..ip6::SADDR + 16].copy_from_slice(&quote[ip6::DADDR..ip6::DADDR + 16]);
     f[ip6::DADDR..ip6::DADDR + 16].copy_from_slice(&quote[ip6::SADDR..ip6::SADDR + 16]);
-    f[ip6::HLEN] = ICMP6_DST_UNREACH;
-    f[ip6::HLEN + 1] = ICMP6_PORT_UNREACH;
+    put_header(f, ip6::HLEN, header);
     f[ip6::HLEN + l4::ICMP_HLEN..].copy_from_slice(&quote);
     let c = icmp6_checksum(f);
     f[ip6::HLEN + l4::ICMP_CHECK..ip6::HLEN + l4::ICMP_CHECK + 2].copy_from_slice(&c.to_ne_bytes());

@@ -1,13 +1,17 @@
-//! Frontend lookup and backend selection (uniform random, ClientIP affinity),
-//! source ranges.
+//! Frontend lookup and backend selection (uniform random, Maglev, ClientIP
+//! affinity), source ranges.
 
 use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32, maps::lpm_trie::Key};
-use dataplane_common::lb::{
-    AffinityKey, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData, backend_flags,
-    service_flags,
+use dataplane_common::{
+    config::DpConfig,
+    lb::{
+        AffinityKey, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, MAGLEV_CHUNK, MaglevKey,
+        SourceRangeData, backend_flags, service_flags,
+    },
+    maglev,
 };
 
-use crate::family::Family;
+use crate::{family::Family, maps::MAGLEV};
 
 #[inline(always)]
 pub fn frontend<F: Family>(key: &LbServiceKey<F::A>) -> Option<Lb4Service> {
@@ -46,16 +50,40 @@ fn backend_in_slot<F: Family>(key: &LbServiceKey<F::A>, slot: u32) -> Option<(u3
     (be.flags & backend_flags::ACTIVE != 0).then_some((id, be))
 }
 
+/// The backend a Maglev frontend's table names for a flow hash, if the
+/// table has it (a frontend written before its table, or a table size
+/// changed under it: the caller picks at random).
+#[inline(always)]
+fn maglev_backend<F: Family>(cfg: &DpConfig, svc: &Lb4Service, hash: u32) -> Option<(u32, LbBackend<F::A>)> {
+    let entry = maglev::slot(hash, cfg.maglev_size);
+    let key = MaglevKey {
+        table: svc.backend_id,
+        chunk: entry / MAGLEV_CHUNK as u32,
+    };
+    let chunk = MAGLEV.get_ptr(&key)?;
+    // SAFETY: a map value pointer valid for this run; the index is masked
+    // into the chunk (MAGLEV_CHUNK is a power of two).
+    let id = unsafe { (*chunk)[entry as usize & (MAGLEV_CHUNK - 1)] };
+    let be = *F::backends().get(id)?;
+    (id != 0 && be.flags & backend_flags::ACTIVE != 0).then_some((id, be))
+}
+
 /// Picks the backend of a new flow from `client` to the frontend at `key`
 /// (slot 0, the scope chosen): the affinity backend while it is fresh and
-/// still in the set, else uniformly at random over slots `1..=count`.
+/// still in the set; else, for a Maglev frontend with the flow's hash
+/// (`flow_hash`: packet paths; connect-time translation has no source
+/// port yet and picks at random), the one its table names; else uniformly
+/// at random over slots `1..=count`.
 #[inline(always)]
 pub fn select<F: Family>(
+    cfg: &DpConfig,
     key: &LbServiceKey<F::A>,
     svc: &Lb4Service,
     client: F::A,
+    flow_hash: Option<u32>,
     now: u64,
 ) -> Option<(u32, LbBackend<F::A>)> {
+    const _: () = assert!(MAGLEV_CHUNK.is_power_of_two());
     let count = svc.count as u32;
     if count == 0 {
         return None;
@@ -79,6 +107,15 @@ pub fn select<F: Family>(
             unsafe { (*a).last_used_ns = now };
             return Some((id, be));
         }
+    }
+    if svc.flags & service_flags::MAGLEV != 0
+        && let Some(hash) = flow_hash
+        && let Some(found) = maglev_backend::<F>(cfg, svc, hash)
+    {
+        // Maglev's own stickiness stands for affinity (the flow hash of an
+        // affinity frontend is the client address's alone): no slot to
+        // remember.
+        return Some(found);
     }
     // SAFETY: helper without arguments.
     let slot = unsafe { bpf_get_prandom_u32() }.checked_rem(count).unwrap_or(0) + 1;

@@ -11,6 +11,7 @@
 mod csum;
 mod ct;
 mod ctx;
+mod dsr;
 mod family;
 mod filter;
 mod flow;

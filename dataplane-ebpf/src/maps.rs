@@ -3,7 +3,7 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray},
 };
 use dataplane_common::{
     config::DpConfig,
@@ -14,14 +14,15 @@ use dataplane_common::{
     filter::FILTER_WORDS,
     hint::DEVICE_WORDS,
     lb::{
-        Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName,
-        Lb4SourceRangeData, Lb6AffinityKey, Lb6Backend, Lb6ServiceKey, Lb6SourceRangeData,
+        Dsr4Key, Dsr6Key, DsrValue, Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey,
+        Lb4ServiceName, Lb4SourceRangeData, Lb6AffinityKey, Lb6Backend, Lb6ServiceKey, Lb6SourceRangeData,
+        MaglevChunk, MaglevKey,
     },
     limits,
     stats::{COUNTER_SLOTS, Counter, FLOW_STAT_SLOTS},
 };
 
-#[map(name = "DP_CONFIG_V3")]
+#[map(name = "DP_CONFIG_V4")]
 pub static CONFIG: Array<DpConfig> = Array::with_max_entries(1, 0);
 
 /// Agent-written bitmaps of the addresses the hooks act on.
@@ -59,7 +60,7 @@ pub static SNAT_CURSORS: PerCpuArray<u32> = PerCpuArray::with_max_entries(limits
 pub static COUNTERS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);
 
 /// Indexed by [`dataplane_common::stats::FlowStat`].
-#[map(name = "DP_FLOW_STATS_V1")]
+#[map(name = "DP_FLOW_STATS_V2")]
 pub static FLOW_STATS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(FLOW_STAT_SLOTS, 0);
 
 /// Indexed by service id.
@@ -76,6 +77,24 @@ pub static SERVICE_NAMES: HashMap<u32, Lb4ServiceName> =
 #[map(name = "SOCK4_REVNAT_V1")]
 pub static SOCK_REVNAT: LruHashMap<Sock4RevKey, Sock4RevValue> =
     LruHashMap::with_max_entries(limits::SOCK_REVNAT_ENTRIES, 0);
+
+/// Maglev tables, in chunks, for both families (see
+/// `dataplane_common::maglev`). Chunks are allocated as the agent writes
+/// them, and each is replaced whole: a lookup sees an old or a new chunk,
+/// both naming backends that exist.
+#[map(name = "LB_MAGLEV_V1")]
+pub static MAGLEV: HashMap<MaglevKey, MaglevChunk> =
+    HashMap::with_max_entries(limits::MAGLEV_CHUNKS, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
+
+/// On a backend's node: which local backend an encapsulated DSR packet is
+/// for.
+#[map(name = "LB4_DSR_V1")]
+pub static DSR4: HashMap<Dsr4Key, DsrValue> = HashMap::with_max_entries(limits::DSR_ENTRIES, 0);
+
+/// Devices XDP may redirect forwarded packets to (the external devices in
+/// native XDP mode), by ifindex; written by the agent.
+#[map(name = "DP_XDP_DEVICES_V1")]
+pub static XDP_DEVICES: DevMapHash = DevMapHash::with_max_entries(limits::XDP_DEVICES, 0);
 
 // IPv6: the same shapes, keyed by 128-bit addresses (see `family`).
 
@@ -100,6 +119,39 @@ pub static CT6: LruHashMap<Ct6Key, Ct6Entry> = LruHashMap::with_max_entries(limi
 #[map(name = "SOCK6_REVNAT_V1")]
 pub static SOCK_REVNAT6: LruHashMap<Sock6RevKey, Sock6RevValue> =
     LruHashMap::with_max_entries(limits::SOCK_REVNAT_ENTRIES, 0);
+
+#[map(name = "LB6_DSR_V1")]
+pub static DSR6: HashMap<Dsr6Key, DsrValue> = HashMap::with_max_entries(limits::DSR_ENTRIES, 0);
+
+/// What the ingress path leaves for the forwarding step that follows it in
+/// the same run (`route`): the source rewrite the egress hook would have
+/// made, or the backend a DSR packet is encapsulated to. Per CPU; written
+/// and read within one run.
+#[repr(C)]
+pub struct Forward {
+    /// An address of the packet's family (IPv4: the first word).
+    pub addr: dataplane_common::addr::Ip6,
+    /// Network order.
+    pub port: u16,
+    /// [`forward`].
+    pub what: u8,
+    pub _pad: u8,
+}
+
+pub mod forward {
+    /// Nothing to rewrite (a flow kept unmasqueraded).
+    pub const NONE: u8 = 0;
+    /// The source becomes `addr:port` (a reply's frontend).
+    pub const SRC: u8 = 1;
+    /// The source becomes `addr:port`, the node's SNAT address and port,
+    /// once the port's `REP_IN` is checked to still name this client.
+    pub const SNAT: u8 = 2;
+    /// Encapsulate towards `addr` (DSR).
+    pub const ENCAP: u8 = 3;
+}
+
+#[map(name = "DP_FORWARD_SCRATCH")]
+pub static FORWARD: PerCpuArray<Forward> = PerCpuArray::with_max_entries(1, 0);
 
 /// Per-CPU scratch space where new flows' conntrack keys and entries are
 /// built (IPv6's are 40 and 56 bytes: on the 512-byte stack they would not

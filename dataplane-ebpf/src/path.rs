@@ -21,13 +21,14 @@ use dataplane_common::{
 use crate::{
     ct,
     ctx::{Ctx, FromVerdict, Side, ptr_at},
+    dsr,
     family::{Family, V4, V6},
     filter,
     flow::{self, Action, Choice},
     icmp,
-    maps::CONFIG,
+    maps::{CONFIG, forward},
     parse::{Kind, Parsed, Pkt, kind},
-    snat, stats, unaligned,
+    route, snat, stats, unaligned,
 };
 
 #[inline(always)]
@@ -50,6 +51,10 @@ struct Step(u64);
 const REJECT: u64 = 1;
 const ICMP_ERROR: u64 = 2;
 const NEW_FLOW: u64 = 3;
+/// A DSR flow's packet, sent to the backend's node encapsulated (`dsr`).
+const ENCAP: u64 = 4;
+/// An encapsulated packet: one for a local backend of a DSR flow?
+const DECAP: u64 = 5;
 
 impl Step {
     #[inline(always)]
@@ -131,10 +136,12 @@ fn dnat_only_hint<C: Ctx, A: Addr>(saddr: &A, daddr: &A) -> u16 {
 #[inline(always)]
 fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool) -> C::Verdict {
     let len = ctx.packet_len() as u64;
+    // External devices: where DSR flows start and end.
+    let external = hook != Hook::TcPodIngress;
     // A new flow's decision is a subprogram of its own, called from here:
     // its stack and the lookup path's do not add up.
     let step = if step.what() == NEW_FLOW {
-        new_flow(ctx, cfg, step.v6(), step.l3())
+        new_flow(ctx, cfg, step.v6(), step.l3(), external)
     } else {
         step
     };
@@ -143,9 +150,12 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
     if matches!(step.what(), REJECT | ICMP_ERROR) {
         ctx.pull_headers();
     }
+    // Whether the packet left already (DSR): host routing has nothing to
+    // add.
+    let mut sent = false;
     let (verdict, event) = match step.what() {
         REJECT => {
-            let (v, e) = icmp::reject(ctx, step.v6(), step.l3(), step.l4());
+            let (v, e) = icmp::reject(ctx, step.v6(), step.l3(), step.l4(), 0);
             (
                 v,
                 if e == Event::DropRejectFailed {
@@ -163,6 +173,41 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
             };
             (v, e as u32)
         }
+        ENCAP => {
+            let out = if step.v6() {
+                dsr::encap::<C, V6>(ctx, cfg, step.l3())
+            } else {
+                dsr::encap::<C, V4>(ctx, cfg, step.l3())
+            };
+            match out & 0xff {
+                dsr::SENT => {
+                    sent = true;
+                    (C::Verdict::from_packed(out), step.event())
+                }
+                dsr::TOO_BIG => {
+                    ctx.pull_headers();
+                    let (v, e) = icmp::reject(ctx, step.v6(), step.l3(), step.l4(), (out >> 32) as u32);
+                    let e = if e == Event::DropRejectFailed {
+                        e
+                    } else {
+                        Event::RejectTooBig
+                    };
+                    (v, e as u32)
+                }
+                dsr::TOO_BIG_NO_DF => (C::DROP, Event::DropDsrTooBig as u32),
+                _ => (C::DROP, Event::DropDsrUnroutable as u32),
+            }
+        }
+        DECAP => {
+            let e = if !external {
+                Event::Pass
+            } else if step.v6() {
+                dsr::decap::<C, V6>(ctx, cfg, step.l3())
+            } else {
+                dsr::decap::<C, V4>(ctx, cfg, step.l3())
+            };
+            (if e.is_drop() { C::DROP } else { C::PASS }, e as u32)
+        }
         _ => (C::Verdict::from_packed(step.0), step.event()),
     };
     stats::count_raw(hook, event, len);
@@ -175,11 +220,12 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
     // Host routing: a packet translated on its way in (DNAT, or un-SNAT of
     // a reply) goes straight to its route's device.
     if ingress
+        && !sent
         && cfg.flags & config_flags::HOST_ROUTING != 0
         && (event == Event::NewFlow as u32
             || event == Event::Established as u32
             || event == Event::Reply as u32)
-        && let Some(v) = ctx.route()
+        && let Some(v) = ctx.route(cfg)
     {
         return v;
     }
@@ -187,12 +233,14 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
 }
 
 /// What is common to both sides once a family is known: ICMP errors are
-/// handed to the entry point, protocols we do not translate pass.
+/// handed to the entry point, and at ingress encapsulated packets (DSR's),
+/// protocols we do not translate pass.
 #[inline(always)]
-fn triage<C: Ctx, F: Family>(pkt: &Pkt<F::A>) -> Option<Step> {
+fn triage<C: Ctx, F: Family>(pkt: &Pkt<F::A>, ingress: bool) -> Option<Step> {
     match pkt.tuple.proto {
         proto::TCP | proto::UDP | proto::SCTP => None,
         p if p == F::ICMP => Some(Step::next(ICMP_ERROR, pkt, Event::Pass)),
+        p if ingress && p == F::ENCAP => Some(Step::next(DECAP, pkt, Event::Pass)),
         _ => Some(Step::done(C::PASS, Event::Pass)),
     }
 }
@@ -274,7 +322,7 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
         Ok(p) => p,
         Err(other) => return unparsed::<C>(other),
     };
-    if let Some(step) = triage::<C, F>(pkt) {
+    if let Some(step) = triage::<C, F>(pkt, true) {
         return step;
     }
     let t = &pkt.tuple;
@@ -290,7 +338,7 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
         // SAFETY: a map value pointer, valid for this run. The fields the
         // path needs are copied out; no reference outlives this block (touch
         // writes through `e` below).
-        let (role, closed, daddr, dport, service_id, snat) = unsafe {
+        let (role, closed, daddr, dport, service_id, flags) = unsafe {
             let en = &*e;
             (
                 en.role(),
@@ -298,18 +346,44 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
                 en.nat_daddr,
                 en.nat_dport,
                 en.service_id,
-                en.flags & ct_flags::SNAT != 0,
+                en.flags,
             )
         };
+        let snat = flags & ct_flags::SNAT != 0;
         match role {
             // A SYN on a closed connection's tuple opens a new one, as
             // netfilter reopens a TIME_WAIT entry.
             ct_flags::FWD_IN if pkt.is_syn() && closed => {
                 stats::count_flow(FlowStat::Reopened);
             }
+            // DSR: to the backend's node, untranslated. Its state is its own
+            // entry's (no reply side here): kept inline, not through
+            // `touch`'s subprogram (the verifier walks a subprogram once per
+            // call site).
+            ct_flags::FWD_IN if flags & ct_flags::DSR != 0 => {
+                ct::touch_dsr::<F>(t, e, now, pkt.tcp_flags);
+                stats::count_service(service_id, pkt.tot_len as u64);
+                route::leave_always(forward::ENCAP, &daddr, dport);
+                return Step::next(ENCAP, pkt, Event::Established);
+            }
             ct_flags::FWD_IN | ct_flags::REP_IN => {
                 if ctx.rewrite::<F>(pkt, Side::Dst, daddr, dport).is_none() {
                     return Step::done(C::PASS, Event::Malformed);
+                }
+                if C::XDP && cfg.flags & config_flags::HOST_ROUTING != 0 {
+                    // What egress would do next, for XDP to do it: the
+                    // frontend on a reply, the SNAT address and port on a
+                    // masqueraded flow's packet.
+                    // SAFETY: as above.
+                    let (saddr, sport) = unsafe { ((*e).nat_saddr, (*e).nat_sport) };
+                    let what = if role == ct_flags::REP_IN {
+                        forward::SRC
+                    } else if snat {
+                        forward::SNAT
+                    } else {
+                        forward::NONE
+                    };
+                    route::leave_always(what, &saddr, sport);
                 }
                 ct::touch::<F>(t, e, now, pkt.tcp_flags);
                 if role == ct_flags::REP_IN {
@@ -332,18 +406,19 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
 }
 
 /// The first packet of a flow (parsed again: cheaper than carrying the
-/// tuple through the stack of the lookup path).
+/// tuple through the stack of the lookup path). `external`: it came in
+/// through an external device (where DSR flows start).
 #[inline(always)]
-fn new_flow<C: Ctx>(ctx: &C, cfg: &DpConfig, v6: bool, l3: usize) -> Step {
+fn new_flow<C: Ctx>(ctx: &C, cfg: &DpConfig, v6: bool, l3: usize, external: bool) -> Step {
     if v6 {
-        new_flow_family::<C, V6>(ctx, cfg, l3)
+        new_flow_family::<C, V6>(ctx, cfg, l3, external)
     } else {
-        new_flow_family::<C, V4>(ctx, cfg, l3)
+        new_flow_family::<C, V4>(ctx, cfg, l3, external)
     }
 }
 
 #[inline(never)]
-fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, external: bool) -> Step {
     let pkt = &match F::parse(ctx, l3) {
         Ok(p) => p,
         Err(other) => return unparsed::<C>(other),
@@ -354,7 +429,19 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Ste
     let choice = unsafe { crate::zero::zeroed(&mut slot) };
     // Subprograms side by side (their stacks do not add up): the decision,
     // the tuple cleared of closed flows, the SNAT port's claim, the entries.
-    let mut event = flow::decide::<F>(cfg, &pkt.tuple, now, choice);
+    let mut event = flow::decide::<F>(cfg, &pkt.tuple, now, choice, external);
+    // DSR: its own short way (one fork, not one per step below: the
+    // verifier walks what follows once per distinct state).
+    if event == Event::NewFlow && choice.dsr {
+        if ctx.dsr_sendable::<F>(cfg, &choice.backend.address) {
+            return dsr_new_flow::<C, F>(cfg, pkt, choice, now);
+        }
+        // XDP cannot send it to the backend's node yet: this flow is
+        // masqueraded through the stack instead (its backend stays).
+        choice.dsr = false;
+        choice.snat = true;
+        stats::count_flow(FlowStat::DsrFallbackSnat);
+    }
     if event == Event::NewFlow {
         event = ct::clear_tuple::<F>(cfg, &pkt.tuple, choice, now);
     }
@@ -370,6 +457,12 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Ste
             match ctx.rewrite::<F>(pkt, Side::Dst, choice.backend.address, choice.backend.port) {
                 Some(()) => {
                     stats::count_service(choice.service_id, pkt.tot_len as u64);
+                    let (what, src) = if choice.snat {
+                        (forward::SNAT, F::snat_ip(cfg))
+                    } else {
+                        (forward::NONE, pkt.tuple.saddr)
+                    };
+                    route::leave::<C, F::A>(cfg, what, &src, choice.snat_port);
                     let word = if choice.snat {
                         0
                     } else {
@@ -384,6 +477,20 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Ste
         Action::Drop => Step::done(C::DROP, event),
         Action::Pass => Step::done(C::PASS, event),
     }
+}
+
+/// A new DSR flow: its entry (the only one on this node), then the packet
+/// goes to the backend's node (`dsr::encap`, from the entry point).
+#[inline(always)]
+fn dsr_new_flow<C: Ctx, F: Family>(cfg: &DpConfig, pkt: &Pkt<F::A>, choice: &Choice<F::A>, now: u64) -> Step {
+    let event = ct::create_dsr::<F>(&pkt.tuple, choice, now);
+    if event != Event::NewFlow {
+        return Step::done(C::DROP, event);
+    }
+    let _ = cfg;
+    stats::count_service(choice.service_id, pkt.tot_len as u64);
+    route::leave_always(forward::ENCAP, &choice.backend.address, choice.backend.port);
+    Step::next(ENCAP, pkt, event)
 }
 
 /// Egress: source rewrites. Returns the verdict.
@@ -463,7 +570,7 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit
         Ok(p) => p,
         Err(other) => return unparsed::<C>(other),
     };
-    if let Some(step) = triage::<C, F>(pkt) {
+    if let Some(step) = triage::<C, F>(pkt, false) {
         return step;
     }
     let t = &pkt.tuple;

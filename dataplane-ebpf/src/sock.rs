@@ -81,7 +81,7 @@ fn applies(ctx: &SockAddrContext) -> Option<&'static DpConfig> {
 fn pick<F: Family>(cfg: &DpConfig, daddr: F::A, dport: u16, proto: u8) -> Result<LbBackend<F::A>, Event> {
     let source = F::snat_ip(cfg);
     let (key, svc) = flow::resolve::<F>(cfg, daddr, dport, proto, source, true)?;
-    let (_, be) = lb::select::<F>(&key, &svc, source, ct::now()).ok_or(Event::DropNoBackend)?;
+    let (_, be) = lb::select::<F>(cfg, &key, &svc, source, None, ct::now()).ok_or(Event::DropNoBackend)?;
     stats::count_service(svc.service_id, 0);
     Ok(be)
 }

@@ -26,3 +26,14 @@ pub unsafe fn zeroed<T>(m: &mut MaybeUninit<T>) -> &mut T {
     // SAFETY: every byte is written; the caller vouches that zeroes are a `T`.
     unsafe { m.assume_init_mut() }
 }
+
+/// Zeroes `t` in place, as [`zeroed`] does.
+///
+/// # Safety
+/// All zeroes must be a valid `T` (as for [`zeroed`]).
+#[inline(always)]
+pub unsafe fn clear<T>(t: &mut T) {
+    // SAFETY: `t` is a valid, initialised `T`: seen as `MaybeUninit`, it
+    // is overwritten with zeroes, which the caller vouches are a `T`.
+    unsafe { zeroed(&mut *(t as *mut T as *mut MaybeUninit<T>)) };
+}

@@ -12,7 +12,7 @@ use dataplane_agent::{
     state::{
         desired,
         diff::Programmer,
-        model::{Endpoint, NodeContext, ServicePort},
+        model::{Endpoint, LbAlgorithm, LbMode, NodeContext, ServicePort},
     },
 };
 
@@ -83,6 +83,7 @@ impl TestService {
                 internal_policy_local: false,
                 affinity_timeout: None,
                 endpoints: Vec::new(),
+                lb: Default::default(),
             },
             endpoints: Vec::new(),
         }
@@ -124,6 +125,16 @@ impl TestService {
     }
     pub fn affinity(mut self, timeout: Duration) -> Self {
         self.port.affinity_timeout = Some(timeout);
+        self
+    }
+    /// Its own `--lb-mode` (the annotation's way).
+    pub fn lb_mode(mut self, mode: LbMode) -> Self {
+        self.port.lb.mode = Some(mode);
+        self
+    }
+    /// Maglev for it (the annotation's way).
+    pub fn maglev(mut self) -> Self {
+        self.port.lb.algorithm = Some(LbAlgorithm::Maglev);
         self
     }
     pub fn endpoint(mut self, ep: TestEndpoint) -> Self {
@@ -182,6 +193,7 @@ impl NodeDatapath {
         let node = NodeContext {
             node_port_addresses: ips.clone(),
             node_ips: ips,
+            lb: Default::default(),
         };
         let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &node);
         assert!(

@@ -44,6 +44,30 @@ where
     (r.return_value, out)
 }
 
+/// Runs an XDP program once on `input` as if it came in on device `ifindex`
+/// of the calling thread's network namespace (`xdp_md.ingress_ifindex`:
+/// `bpf_fib_lookup` answers from that namespace, `XDP_TX` means that
+/// device). Returns the verdict and the output frame.
+pub fn run_xdp_on_device(prog: &aya::programs::Xdp, input: &[u8], ifindex: u32) -> (u32, Vec<u8>) {
+    // `struct xdp_md`: data, data_end (the input's length), data_meta,
+    // ingress_ifindex, rx_queue_index, egress_ifindex.
+    let mut ctx = [0u8; 24];
+    ctx[4..8].copy_from_slice(&(input.len() as u32).to_ne_bytes());
+    ctx[12..16].copy_from_slice(&ifindex.to_ne_bytes());
+    let mut out = vec![0u8; input.len() + 512];
+    let r = prog
+        .test_run(TestRunOptions {
+            data_in: Some(input),
+            data_out: Some(&mut out),
+            ctx_in: Some(&ctx),
+            repeat: 1,
+            ..Default::default()
+        })
+        .unwrap_or_else(|e| panic!("XDP test run on ifindex {ifindex}: {e}"));
+    out.truncate(r.data_size_out as usize);
+    (r.return_value, out)
+}
+
 /// As [`run`], returning the kernel's error instead of panicking.
 pub fn try_run<P>(
     prog: &P,
@@ -93,6 +117,17 @@ pub fn fixture_datapath_configured(
     services: &[TestService],
     configure: impl FnOnce(&mut DatapathConfig),
 ) -> Datapath {
+    fixture_datapath_of_node(0, node_ips, services, configure)
+}
+
+/// As [`fixture_datapath_configured`], as sandbox node `node` (whose
+/// endpoints are local).
+pub fn fixture_datapath_of_node(
+    node: usize,
+    node_ips: &[std::net::IpAddr],
+    services: &[TestService],
+    configure: impl FnOnce(&mut DatapathConfig),
+) -> Datapath {
     crate::require_privileges();
     let opts = LoadOptions {
         max_services: 64,
@@ -116,10 +151,11 @@ pub fn fixture_datapath_configured(
     );
     configure(&mut config);
     dp.maps_mut().set_config(&config).unwrap();
-    let ports: Vec<_> = services.iter().map(|s| (s.id, s.for_node(0))).collect();
+    let ports: Vec<_> = services.iter().map(|s| (s.id, s.for_node(node))).collect();
     let ctx = NodeContext {
         node_port_addresses: node_ips.to_vec(),
         node_ips: node_ips.to_vec(),
+        lb: Default::default(),
     };
     let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &ctx);
     assert!(table.problems.is_empty(), "{:?}", table.problems);

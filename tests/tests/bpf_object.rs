@@ -114,3 +114,34 @@ fn the_prefilter_is_inline() {
         "pre-filter code outlined into subprograms: {outlined:?}"
     );
 }
+
+/// The verifier walks every path of a program up to a million instructions
+/// and then refuses it: each packet program stays well inside that budget
+/// (a path blowup, such as a branch whose states cannot be pruned, shows
+/// here before it fails a load on a kernel that counts a little more).
+#[test]
+fn packet_programs_verify_within_the_budget() {
+    use dataplane_common::names;
+    const BUDGET: u32 = 900_000;
+    let dp = dataplane_tests::testrun::fixture_datapath(std::net::Ipv4Addr::new(198, 18, 0, 11), &[]);
+    let mut over = Vec::new();
+    for name in [
+        names::XDP_INGRESS,
+        names::TC_INGRESS,
+        names::TC_POD_INGRESS,
+        names::TC_EGRESS,
+    ] {
+        let info = if name == names::XDP_INGRESS {
+            dp.xdp_program(name).unwrap().info()
+        } else {
+            dp.tc(name).unwrap().info()
+        }
+        .unwrap();
+        let n = info.verified_instruction_count().expect("the kernel reports it");
+        eprintln!("{name}: {n} instructions verified");
+        if n > BUDGET {
+            over.push((name, n));
+        }
+    }
+    assert!(over.is_empty(), "over {BUDGET} verified instructions: {over:?}");
+}

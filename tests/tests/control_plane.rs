@@ -370,6 +370,7 @@ fn node_context() -> NodeContext {
     NodeContext {
         node_port_addresses: vec![Ipv4Addr::new(192, 168, 0, 1).into()],
         node_ips: vec![Ipv4Addr::new(192, 168, 0, 1).into()],
+        lb: Default::default(),
     }
 }
 

@@ -504,6 +504,7 @@ pub fn node_context(
     NodeContext {
         node_port_addresses: addrs.into_iter().collect(),
         node_ips: node_ips.to_vec(),
+        lb: Default::default(),
     }
 }
 
@@ -639,6 +640,7 @@ mod tests {
         NodeContext {
             node_port_addresses: if two { vec![a, b] } else { vec![a] },
             node_ips: vec![a],
+            lb: Default::default(),
         }
     }
 

@@ -1,4 +1,4 @@
-//! The datapath's node-wide settings (`DP_CONFIG_V2`), typed.
+//! The datapath's node-wide settings (`DP_CONFIG_V4`), typed.
 
 use std::net::{Ipv4Addr, Ipv6Addr};
 
@@ -36,6 +36,10 @@ pub struct DatapathConfig {
     pub host_routing: bool,
     /// The node's network namespace cookie (this process's, by default).
     pub host_netns_cookie: u64,
+    /// Maglev's flow hash seed (the same on every node) and table size (a
+    /// prime; 0: no frontend uses Maglev).
+    pub maglev_seed: u32,
+    pub maglev_size: u32,
 }
 
 /// Cookie of the calling thread's network namespace (SO_NETNS_COOKIE,
@@ -130,6 +134,8 @@ impl DatapathConfig {
             socket_lb_host_only: false,
             host_routing: false,
             host_netns_cookie: current_netns_cookie(),
+            maglev_seed: 0,
+            maglev_size: dataplane_common::maglev::DEFAULT_TABLE_SIZE,
         }
     }
 
@@ -200,6 +206,8 @@ impl DatapathConfig {
             snat_ip6: self.snat_ip6.map(ip6_words).unwrap_or_default(),
             cluster_cidr6: self.cluster_cidr6.as_ref().map(cidr6).unwrap_or_default(),
             service_cidrs6,
+            maglev_seed: self.maglev_seed,
+            maglev_size: self.maglev_size,
         })
     }
 }

@@ -46,6 +46,8 @@ pub struct LbMaps {
     /// What `hint_devices` holds, once read (see `set_hint_devices`).
     pub(super) hint_shadow: Option<Vec<u64>>,
     pub(super) flow_stats: PerCpuArray<MapData, Counter>,
+    /// Maglev tables, DSR entries, the devices XDP may redirect to.
+    pub(super) derived: super::derived::DerivedMaps,
     /// The filter's shadow copy and reference counts (see `filter`).
     pub(super) filter: AddressFilter,
     /// Addresses of removed backends, kept in the filter until their flows
@@ -115,7 +117,19 @@ impl LbMaps {
             flags: abi.flags | config_flags::FILTER_READY,
             ..abi
         };
+        self.derived.size = abi.maglev_size;
+        self.derived.seed = abi.maglev_seed;
         self.config.set(0, abi, 0).map_err(err(names::CONFIG))
+    }
+
+    /// Maglev tables, DSR entries and the devices XDP may redirect to.
+    pub fn derived(&self) -> &super::derived::DerivedMaps {
+        &self.derived
+    }
+
+    /// Lets XDP redirect forwarded packets to `ifindex`, or no longer.
+    pub fn set_xdp_device(&mut self, ifindex: u32, on: bool) -> Result<(), DatapathError> {
+        self.derived.set_xdp_device(ifindex, on)
     }
 
     /// Makes `devices` (indexes) exactly the devices whose ingress word

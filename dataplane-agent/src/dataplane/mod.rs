@@ -10,6 +10,7 @@
 pub mod batch;
 mod clock;
 mod config;
+pub mod derived;
 pub mod device;
 pub mod family;
 mod filter;
@@ -50,6 +51,8 @@ pub enum DatapathError {
     MissingProgram(&'static str),
     #[error("map `{0}` is missing from the eBPF object (agent and object built from different sources?)")]
     MissingMap(&'static str),
+    #[error("devices XDP may redirect to (`DP_XDP_DEVICES_V1`): {0}")]
+    XdpDevices(#[source] aya::maps::xdp::XdpMapError),
     #[error("program `{name}`: {source}")]
     Program {
         name: &'static str,
@@ -395,6 +398,16 @@ impl Datapath {
             hint_devices: take(&mut ebpf, names::HINT_DEVICES, Array::try_from)?,
             hint_shadow: None,
             flow_stats: take(&mut ebpf, names::FLOW_STATS, PerCpuArray::try_from)?,
+            derived: derived::DerivedMaps::new(
+                take(&mut ebpf, names::LB_MAGLEV, HashMap::try_from)?,
+                take(&mut ebpf, names::LB4_DSR, HashMap::try_from)?,
+                take(&mut ebpf, names::LB6_DSR, HashMap::try_from)?,
+                Some(take(
+                    &mut ebpf,
+                    names::XDP_DEVICES,
+                    aya::maps::xdp::DevMapHash::try_from,
+                )?),
+            ),
             filter: Default::default(),
             retired: Vec::new(),
             max_services: opts.max_services,
@@ -813,6 +826,31 @@ impl LbMaps {
             |d| PerCpuArray::try_from(Map::PerCpuArray(d)),
             || PerCpuArray::create(64, 0),
         )?;
+        let (maglev, _) = or_empty(
+            names::LB_MAGLEV,
+            find(names::LB_MAGLEV)?,
+            |d| HashMap::try_from(Map::HashMap(d)),
+            || HashMap::create(1, NO_PREALLOC),
+        )?;
+        let (dsr4, _) = or_empty(
+            names::LB4_DSR,
+            find(names::LB4_DSR)?,
+            |d| HashMap::try_from(Map::HashMap(d)),
+            || HashMap::create(1, NO_PREALLOC),
+        )?;
+        let (dsr6, _) = or_empty(
+            names::LB6_DSR,
+            find(names::LB6_DSR)?,
+            |d| HashMap::try_from(Map::HashMap(d)),
+            || HashMap::create(1, NO_PREALLOC),
+        )?;
+        let xdp_devices = find(names::XDP_DEVICES)?
+            .and_then(|(d, _)| aya::maps::xdp::DevMapHash::try_from(Map::DevMapHash(d)).ok());
+        let mut derived = derived::DerivedMaps::new(maglev, dsr4, dsr6, xdp_devices);
+        if let Ok(c) = Array::<_, dataplane_common::config::DpConfig>::get(&config, &0, 0) {
+            derived.size = c.maglev_size;
+            derived.seed = c.maglev_seed;
+        }
         Ok((
             LbMaps {
                 config,
@@ -827,6 +865,7 @@ impl LbMaps {
                 hint_devices,
                 hint_shadow: None,
                 flow_stats,
+                derived,
                 filter: Default::default(),
                 retired: Vec::new(),
                 max_services,

@@ -25,6 +25,7 @@ use aya::maps::MapData;
 use dataplane_common::{
     config::DpConfig,
     ct::{Ct4Entry, Ct4Key, Ct6Entry, Ct6Key, Sock4RevKey, Sock4RevValue, Sock6RevKey, Sock6RevValue},
+    lb::DsrValue,
     lb4::{
         Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName,
         Lb6AffinityKey, Lb6Backend, Lb6ServiceKey,
@@ -132,6 +133,14 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         names::SNAT_CURSORS => s(4, 4),
         names::LB4_SERVICE_NAMES => s(4, size_of::<Lb4ServiceName>()),
         names::SOCK4_REVNAT => s(size_of::<Sock4RevKey>(), size_of::<Sock4RevValue>()),
+        names::LB_MAGLEV => s(
+            size_of::<dataplane_common::lb::MaglevKey>(),
+            size_of::<dataplane_common::lb::MaglevChunk>(),
+        ),
+        names::LB4_DSR => s(size_of::<dataplane_common::lb::Dsr4Key>(), size_of::<DsrValue>()),
+        names::LB6_DSR => s(size_of::<dataplane_common::lb::Dsr6Key>(), size_of::<DsrValue>()),
+        // ifindex → `struct bpf_devmap_val` (ifindex, program fd/id).
+        names::XDP_DEVICES => s(4, 8),
         _ => None,
     }
 }

@@ -283,6 +283,8 @@ impl Shared<'_> {
             (entry.source_ranges, service_flags::SOURCE_RANGES),
             (entry.external_local, service_flags::EXTERNAL_LOCAL),
             (entry.internal_local, service_flags::INTERNAL_LOCAL),
+            (entry.dsr, service_flags::DSR),
+            (entry.maglev, service_flags::MAGLEV),
         ] {
             if on {
                 flags |= flag;
@@ -291,8 +293,14 @@ impl Shared<'_> {
         let affinity_timeout_s = entry
             .affinity_timeout
             .map_or(0, |d| d.as_secs().clamp(1, u32::MAX as u64) as u32);
-        let head = |set: &BackendSet, flags: u16| Lb4Service {
-            backend_id: 0,
+        // A Maglev set's table (`state::maglev::table_id`): the local set's
+        // or the cluster set's of the service port.
+        let head = |set: &BackendSet, flags: u16, local: bool| Lb4Service {
+            backend_id: if entry.maglev {
+                crate::state::maglev::table_id(entry.service_id, local)
+            } else {
+                0
+            },
             service_id: entry.service_id,
             count: set.backends.len() as u16,
             flags: flags
@@ -318,13 +326,17 @@ impl Shared<'_> {
             Some(internal) => {
                 set_slots(scope::INTERNAL, internal);
                 set_slots(scope::EXTERNAL, &entry.backends);
-                heads.push(service_key(fe, scope::INTERNAL, 0), head(internal, flags));
-                let ext = head(&entry.backends, flags | service_flags::TWO_SCOPES);
+                heads.push(service_key(fe, scope::INTERNAL, 0), head(internal, flags, false));
+                let ext = head(&entry.backends, flags | service_flags::TWO_SCOPES, true);
                 heads.push(service_key(fe, scope::EXTERNAL, 0), ext);
             }
             None => {
+                let local = entry.uses_local_set();
                 set_slots(scope::EXTERNAL, &entry.backends);
-                heads.push(service_key(fe, scope::EXTERNAL, 0), head(&entry.backends, flags));
+                heads.push(
+                    service_key(fe, scope::EXTERNAL, 0),
+                    head(&entry.backends, flags, local),
+                );
             }
         }
         Ok(())
@@ -544,6 +556,8 @@ impl<A: AbiAddr> FamilyMaps<A> {
                     source_ranges: flag(service_flags::SOURCE_RANGES),
                     external_local: flag(service_flags::EXTERNAL_LOCAL),
                     internal_local: flag(service_flags::INTERNAL_LOCAL),
+                    dsr: flag(service_flags::DSR),
+                    maglev: flag(service_flags::MAGLEV),
                 },
             ));
         }
@@ -957,6 +971,35 @@ impl LbMaps {
         }
     }
 
+    /// Writes what the frontend operations among `ops` (all applied) imply
+    /// for the derived maps (see `state::derived`).
+    fn derive(&mut self, ops: &[Op]) -> Result<(), DatapathError> {
+        let mut derived = Vec::new();
+        for op in ops {
+            match op {
+                Op::SetFrontend { frontend, entry, .. } => {
+                    if !(entry.maglev || entry.dsr || self.derived.state.has(frontend)) {
+                        continue;
+                    }
+                    // Taken out while the lookup reads the backends maps.
+                    let mut state = std::mem::take(&mut self.derived.state);
+                    let maps = &*self;
+                    let lookup = |id: BackendId| maps.backend(id).ok().flatten();
+                    state.set_frontend(frontend, entry, &lookup, &mut derived);
+                    self.derived.state = state;
+                }
+                Op::RemoveFrontend { frontend, .. } => {
+                    self.derived.state.remove_frontend(frontend, &mut derived);
+                }
+                _ => {}
+            }
+        }
+        for op in &derived {
+            self.derived.apply(op)?;
+        }
+        Ok(())
+    }
+
     /// A run of operations of one kind and family, batched; `Err((n, e))`:
     /// the first `n` of the run are done.
     fn apply_run(&mut self, run: &[Op]) -> Result<(), RunError> {
@@ -1019,7 +1062,8 @@ impl MapWriter for LbMaps {
     type Error = DatapathError;
 
     fn apply(&mut self, op: &Op) -> Result<(), DatapathError> {
-        self.apply_one(op)
+        self.apply_one(op)?;
+        self.derive(std::slice::from_ref(op))
     }
 
     fn apply_all(&mut self, ops: &[Op]) -> Result<(), (usize, DatapathError)> {
@@ -1029,9 +1073,32 @@ impl MapWriter for LbMaps {
             while end < ops.len() && same_run(&ops[start], &ops[end]) {
                 end += 1;
             }
-            self.apply_run(&ops[start..end])
-                .map_err(|failed| (start + failed.0, failed.1))?;
+            let run = self.apply_run(&ops[start..end]);
+            // What the frontends written imply, for those that were.
+            let done = match &run {
+                Ok(()) => end,
+                Err(failed) => start + failed.0,
+            };
+            if let Err(e) = self.derive(&ops[start..done]) {
+                // The run is in the maps; what follows it is not: the
+                // programmer re-reads the maps, and `adopt` repairs this.
+                return Err((done, e));
+            }
+            run.map_err(|failed| (start + failed.0, failed.1))?;
             start = end;
+        }
+        Ok(())
+    }
+
+    fn adopt(&mut self, table: &MapTable) -> Result<(), DatapathError> {
+        let backends: HashMap<BackendId, Backend> = table.backends.iter().copied().collect();
+        let (tables, dsr) = self.derived.adopt(table, &|id| backends.get(&id).copied())?;
+        if tables + dsr > 0 {
+            tracing::info!(
+                maglev_chunks = tables,
+                dsr_entries = dsr,
+                "removed derived entries no frontend needs any more"
+            );
         }
         Ok(())
     }

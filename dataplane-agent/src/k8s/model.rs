@@ -20,7 +20,7 @@ use k8s_openapi::{
 use crate::{
     net::{IpCidr, IpFamily, Protocol},
     state::{
-        model::{Endpoint, ServicePort},
+        model::{Endpoint, LbChoice, ServicePort},
         table::intern,
     },
 };
@@ -37,6 +37,12 @@ pub const ANNOTATION_TOPOLOGY_HINTS: &str = "service.kubernetes.io/topology-awar
 /// When the EndpointSlice controller saw the change behind a slice update
 /// (kube-proxy's network programming latency starts there).
 pub const ANNOTATION_TRIGGER_TIME: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+/// A Service's own load-balancing mode (`snat`, `dsr`, `hybrid`): overrides
+/// `--lb-mode` for it.
+pub const ANNOTATION_LB_MODE: &str = "dataplane.example.com/lb-mode";
+/// A Service's own backend choice (`random`, `maglev`): overrides
+/// `--lb-algorithm` for it.
+pub const ANNOTATION_LB_ALGORITHM: &str = "dataplane.example.com/lb-algorithm";
 /// Default ClientIP affinity timeout (3 hours), as the API server defaults it.
 pub const DEFAULT_AFFINITY_TIMEOUT: Duration = Duration::from_secs(10_800);
 
@@ -185,6 +191,8 @@ pub struct ServiceSpecInfo {
     /// The healthCheckNodePort of an eTP=Local Service.
     pub health_check_node_port: Option<u16>,
     pub ports: OneOrMore<PortSpec>,
+    /// Its load-balancing annotations.
+    pub lb: LbChoice,
 }
 
 /// A list that is almost always one element long (a Service's ClusterIPs
@@ -370,7 +378,29 @@ fn parse_spec(svc: &Service, skipped: &mut Vec<String>) -> Option<ServiceSpecInf
             .and_then(|p| u16::try_from(p).ok())
             .filter(|p| *p != 0 && external_policy_local),
         ports: ports.into(),
+        lb: lb_choice(svc, skipped),
     })
+}
+
+/// The Service's load-balancing annotations; a value that does not parse
+/// is reported and the node's default used.
+fn lb_choice(svc: &Service, skipped: &mut Vec<String>) -> LbChoice {
+    fn parse<T: std::str::FromStr<Err = String>>(
+        svc: &Service,
+        key: &str,
+        skipped: &mut Vec<String>,
+    ) -> Option<T> {
+        let value = svc.metadata.annotations.as_ref()?.get(key)?;
+        value
+            .trim()
+            .parse()
+            .map_err(|e| skipped.push(format!("annotation {key}: {e}; the node's default is used")))
+            .ok()
+    }
+    LbChoice {
+        mode: parse(svc, ANNOTATION_LB_MODE, skipped),
+        algorithm: parse(svc, ANNOTATION_LB_ALGORITHM, skipped),
+    }
 }
 
 /// Whether the Service asks for topology-aware routing: trafficDistribution,
@@ -775,6 +805,7 @@ pub fn ports_of(svc: &ServiceInfo, slices: &[&SliceInfo], node: &NodeInfo) -> Ve
                     .find(|(name, proto, _)| *name == &*p.name && *proto == p.proto)
                     .map(|(_, _, eps)| eps.clone())
                     .unwrap_or_default(),
+                lb: spec.lb,
             }
         }));
     }

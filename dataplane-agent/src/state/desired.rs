@@ -17,7 +17,7 @@ use std::{
 
 pub use super::table::BackendKey;
 use super::{
-    model::{Endpoint, NodeContext, ServicePort},
+    model::{Endpoint, LbAlgorithm, NodeContext, ServicePort},
     table::{Backend, BackendSet, EmptyVerdict, Frontend, FrontendEntry, FrontendKind, ServicePortName},
 };
 use crate::net::{IpCidr, IpFamily};
@@ -252,6 +252,8 @@ pub fn contribution(id: u32, sp: &ServicePort, node: &NodeContext) -> Contributi
         source_ranges: false,
         external_local: sp.external_policy_local,
         internal_local: sp.internal_policy_local,
+        dsr: false,
+        maglev: sp.lb.algorithm.unwrap_or(node.lb.algorithm) == LbAlgorithm::Maglev,
     };
     // The node's addresses of the port's family (a dual-stack node serves
     // each family's NodePorts on that family's addresses).
@@ -306,9 +308,14 @@ pub fn contribution(id: u32, sp: &ServicePort, node: &NodeContext) -> Contributi
             ..base.clone()
         }
     } else {
+        // DSR replaces the masquerade where the mode applies to the
+        // protocol (the datapath still masquerades what it cannot send by
+        // DSR: a hairpin, a flow XDP cannot route yet).
+        let dsr = sp.lb.mode.unwrap_or(node.lb.mode).dsr_for(sp.proto);
         FrontendEntry {
             backends: set(&sets.cluster),
             masquerade: true,
+            dsr,
             ..base.clone()
         }
     };
@@ -381,6 +388,7 @@ mod tests {
         NodeContext {
             node_port_addresses: vec![NODE, IpAddr::from([192, 168, 1, 1])],
             node_ips: vec![NODE],
+            lb: Default::default(),
         }
     }
 
@@ -419,6 +427,7 @@ mod tests {
             internal_policy_local: false,
             affinity_timeout: None,
             endpoints,
+            lb: Default::default(),
         }
     }
 

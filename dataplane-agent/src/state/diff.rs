@@ -104,6 +104,13 @@ pub trait MapWriter {
 
     /// Everything the maps hold about services.
     fn read_table(&self) -> Result<MapTable, Self::Error>;
+
+    /// Takes `table` (what the maps hold, just read) as the starting point
+    /// of what the writer derives from frontends on its own (Maglev tables,
+    /// DSR entries: see `state::derived`), repairing those maps.
+    fn adopt(&mut self, _table: &MapTable) -> Result<(), Self::Error> {
+        Ok(())
+    }
 }
 
 /// The desired state as the diff reads it: the whole table
@@ -894,6 +901,8 @@ const M_INTERNAL_LOCAL: u16 = 1 << 5;
 const M_TWO_SETS: u16 = 1 << 6;
 const M_REJECT: u16 = 1 << 7;
 const M_INTERNAL_REJECT: u16 = 1 << 8;
+const M_DSR: u16 = 1 << 9;
+const M_MAGLEV: u16 = 1 << 10;
 
 fn kind_bits(kind: FrontendKind) -> u16 {
     match kind {
@@ -922,6 +931,8 @@ impl Mirrored {
                 e.internal_backends.as_ref().is_some_and(reject),
                 M_INTERNAL_REJECT,
             ),
+            (e.dsr, M_DSR),
+            (e.maglev, M_MAGLEV),
         ] {
             if on {
                 flags |= flag;
@@ -1067,6 +1078,8 @@ mod tests {
                     source_ranges: ranged,
                     external_local: false,
                     internal_local: false,
+                    dsr: false,
+                    maglev: false,
                 },
             );
         }
@@ -1185,6 +1198,8 @@ mod tests {
                 source_ranges: false,
                 external_local: false,
                 internal_local: false,
+                dsr: false,
+                maglev: false,
             },
         );
         t

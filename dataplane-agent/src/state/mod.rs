@@ -14,13 +14,18 @@
 //! - [`ids`]: service and backend ids from free lists.
 //! - [`backend_map`]: the map by backend key both of them keep (a million
 //!   entries at scale: IPv4 keys packed).
+//! - [`maglev`]: a backend set's Maglev table; [`derived`]: what the
+//!   frontends written imply beyond their own entries (Maglev tables, the
+//!   backend node's DSR entries).
 pub mod backend_map;
+pub mod derived;
 pub mod desired;
 pub mod diff;
 #[cfg(test)]
 pub mod fake;
 pub mod ids;
 pub mod incremental;
+pub mod maglev;
 pub mod model;
 pub mod stored;
 pub mod table;

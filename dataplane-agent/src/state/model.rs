@@ -32,6 +32,102 @@ pub struct ServicePort {
     pub affinity_timeout: Option<Duration>,
     /// After topology filtering and duplicate resolution.
     pub endpoints: Vec<Endpoint>,
+    /// How the Service asks to be balanced (its annotations); unset parts
+    /// take the node's defaults ([`NodeContext::lb`]).
+    pub lb: LbChoice,
+}
+
+/// How new flows to an external destination that kube-proxy would
+/// masquerade reach a backend on another node (`--lb-mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum LbMode {
+    /// Masqueraded to this node (kube-proxy's behaviour).
+    #[default]
+    Snat,
+    /// Direct server return: sent encapsulated, replies straight from the
+    /// backend's node; the client's address is kept.
+    Dsr,
+    /// DSR for TCP, SNAT for everything else.
+    Hybrid,
+}
+
+impl LbMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LbMode::Snat => "snat",
+            LbMode::Dsr => "dsr",
+            LbMode::Hybrid => "hybrid",
+        }
+    }
+
+    /// Whether flows of `proto` go by DSR in this mode (SCTP never does:
+    /// its associations may span addresses the backend's node does not
+    /// translate).
+    pub fn dsr_for(self, proto: crate::net::Protocol) -> bool {
+        use crate::net::Protocol;
+        match self {
+            LbMode::Snat => false,
+            LbMode::Dsr => matches!(proto, Protocol::Tcp | Protocol::Udp),
+            LbMode::Hybrid => proto == Protocol::Tcp,
+        }
+    }
+}
+
+impl std::str::FromStr for LbMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "snat" => Ok(LbMode::Snat),
+            "dsr" => Ok(LbMode::Dsr),
+            "hybrid" => Ok(LbMode::Hybrid),
+            other => Err(format!("`{other}`: expected snat, dsr or hybrid")),
+        }
+    }
+}
+
+/// How a backend is picked for a new flow (`--lb-algorithm`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum LbAlgorithm {
+    /// Uniformly at random (kube-proxy's behaviour).
+    #[default]
+    Random,
+    /// Maglev consistent hashing: every node picks the same backend for a
+    /// flow (see `state::maglev`).
+    Maglev,
+}
+
+impl LbAlgorithm {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LbAlgorithm::Random => "random",
+            LbAlgorithm::Maglev => "maglev",
+        }
+    }
+}
+
+impl std::str::FromStr for LbAlgorithm {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "random" => Ok(LbAlgorithm::Random),
+            "maglev" => Ok(LbAlgorithm::Maglev),
+            other => Err(format!("`{other}`: expected random or maglev")),
+        }
+    }
+}
+
+/// A Service's own choice (annotations), each part optional.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct LbChoice {
+    pub mode: Option<LbMode>,
+    pub algorithm: Option<LbAlgorithm>,
+}
+
+/// The node's defaults for Services that do not choose.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LbDefaults {
+    pub mode: LbMode,
+    pub algorithm: LbAlgorithm,
 }
 
 impl ServicePort {
@@ -74,13 +170,15 @@ pub struct Endpoint {
 
 /// What the node contributes (addresses of both families; a Service port
 /// uses those of its own).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct NodeContext {
     /// Addresses NodePorts are served on (from nodePortAddresses).
     pub node_port_addresses: Vec<IpAddr>,
     /// The node's own IPs (source ranges: a node inside a range lets the LB
     /// IPs in as sources too). The node serves the families they have.
     pub node_ips: Vec<IpAddr>,
+    /// Load-balancing defaults (`--lb-mode`, `--lb-algorithm`).
+    pub lb: LbDefaults,
 }
 
 impl NodeContext {

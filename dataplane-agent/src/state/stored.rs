@@ -211,6 +211,8 @@ struct StoredFrontend {
     source_ranges: bool,
     external_local: bool,
     internal_local: bool,
+    dsr: bool,
+    maglev: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -240,6 +242,8 @@ impl StoredContribution {
                 source_ranges: e.source_ranges,
                 external_local: e.external_local,
                 internal_local: e.internal_local,
+                dsr: e.dsr,
+                maglev: e.maglev,
             })
             .collect();
         let derived = frontends
@@ -319,6 +323,8 @@ impl StoredContribution {
             source_ranges: f.source_ranges,
             external_local: f.external_local,
             internal_local: f.internal_local,
+            dsr: f.dsr,
+            maglev: f.maglev,
         })
     }
 
@@ -382,6 +388,8 @@ mod tests {
             source_ranges: false,
             external_local: internal.is_some(),
             internal_local: false,
+            dsr: false,
+            maglev: false,
         };
         Contribution {
             frontends: vec![

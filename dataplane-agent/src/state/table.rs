@@ -192,9 +192,27 @@ pub struct FrontendEntry<B = BackendId> {
     pub source_ranges: bool,
     pub external_local: bool,
     pub internal_local: bool,
+    /// Direct server return for new flows from outside to a backend on
+    /// another node (an eTP=Cluster external destination in `dsr` or
+    /// `hybrid` mode): replaces `masquerade` there.
+    pub dsr: bool,
+    /// Maglev: backends picked by consistent hashing (one table per set:
+    /// [`crate::state::maglev`]).
+    pub maglev: bool,
 }
 
 impl<B> FrontendEntry<B> {
+    /// Whether `backends` is the service port's local set (iTP=Local for a
+    /// ClusterIP, eTP=Local for an external destination); the in-cluster
+    /// set of a two-set entry is the cluster set.
+    pub fn uses_local_set(&self) -> bool {
+        if self.kind == FrontendKind::ClusterIp {
+            self.internal_local
+        } else {
+            self.external_local
+        }
+    }
+
     /// Every backend the entry names (both sets).
     pub fn all_backends(&self) -> impl Iterator<Item = &B> {
         std::iter::once(&self.backends)
@@ -219,6 +237,8 @@ impl<B> FrontendEntry<B> {
             source_ranges: self.source_ranges,
             external_local: self.external_local,
             internal_local: self.internal_local,
+            dsr: self.dsr,
+            maglev: self.maglev,
         }
     }
 
@@ -244,6 +264,8 @@ impl<B> FrontendEntry<B> {
             source_ranges: self.source_ranges,
             external_local: self.external_local,
             internal_local: self.internal_local,
+            dsr: self.dsr,
+            maglev: self.maglev,
         })
     }
 }

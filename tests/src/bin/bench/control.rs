@@ -84,6 +84,7 @@ fn service_info(i: u32) -> ServiceInfo {
                 node_port: None,
             }]
             .into(),
+            lb: Default::default(),
         }),
         problems: vec![],
     }
@@ -119,6 +120,7 @@ fn node() -> NodeContext {
     NodeContext {
         node_port_addresses: vec![Ipv4Addr::new(198, 18, 0, 11).into()],
         node_ips: vec![Ipv4Addr::new(198, 18, 0, 11).into()],
+        lb: Default::default(),
     }
 }
 

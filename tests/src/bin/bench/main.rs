@@ -324,6 +324,7 @@ fn measure(n: u32, ct_entries: u32) -> Row {
     let node = NodeContext {
         node_port_addresses: vec![NODE.into()],
         node_ips: vec![NODE.into()],
+        lb: Default::default(),
     };
     let started = Instant::now();
     let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &node);

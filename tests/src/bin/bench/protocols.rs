@@ -162,6 +162,7 @@ pub fn measure() -> Vec<ProtoRow> {
     let node = NodeContext {
         node_port_addresses: node_ips.to_vec(),
         node_ips: node_ips.to_vec(),
+        lb: Default::default(),
     };
     let table = desired::compute(ports.iter().map(|(id, p)| (*id, p)), &node);
     Programmer::new(opts.max_backends)
