@@ -1,12 +1,12 @@
 //! A small cluster in network namespaces: one L2 segment (a bridge in its own
-//! namespace) joining an external client and two nodes; pods hang off the
-//! nodes on veth pairs.
+//! namespace) joining an external client and two nodes (three with
+//! [`Cluster::with_nodes`]); pods hang off the nodes on veth pairs.
 //!
 //! ```text
 //!                 switch (br0)                       198.18.0.0/24 ("LAN")
-//!        ┌────────────┼────────────┐
-//!   client .100    node1 .11     node2 .12           eth0 in each
-//!                  │  pods          │  pods          10.244.1.0/24, 10.244.2.0/24
+//!        ┌────────────┼────────────┬───────────┐
+//!   client .100    node1 .11     node2 .12     (node3 .13)    eth0 in each
+//!                  │  pods          │  pods       │ pods     10.244.N.0/24
 //! ```
 //! Pods have a /32 on `eth0` and a default route via the node's gateway
 //! address (10.244.N.1, held by every host-side veth of that node); the node
@@ -40,13 +40,19 @@ use crate::{
 
 pub const LAN_PREFIX_LEN: u8 = 24;
 pub const CLIENT_IP: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
-pub const NODE_IPS: [Ipv4Addr; 2] = [Ipv4Addr::new(198, 18, 0, 11), Ipv4Addr::new(198, 18, 0, 12)];
+/// The nodes' addresses (a sandbox has two, or three).
+pub const NODE_IPS: [Ipv4Addr; 3] = [
+    Ipv4Addr::new(198, 18, 0, 11),
+    Ipv4Addr::new(198, 18, 0, 12),
+    Ipv4Addr::new(198, 18, 0, 13),
+];
 /// The LAN's IPv6 prefix length (2001:db8::/64) in a dual-stack sandbox.
 pub const LAN6_PREFIX_LEN: u8 = 64;
 pub const CLIENT_IP6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x100);
-pub const NODE_IPS6: [Ipv6Addr; 2] = [
+pub const NODE_IPS6: [Ipv6Addr; 3] = [
     Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x11),
     Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x12),
+    Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 0x13),
 ];
 /// Pod CIDR of node `i` is 10.244.(i+1).0/24.
 pub const CLUSTER_CIDR: &str = "10.244.0.0/16";
@@ -184,16 +190,22 @@ impl Cluster {
     /// Builds client, switch and two nodes, wired as `wiring` says, whose
     /// pods will be wired as `layout` says.
     pub fn with_layout(wiring: Wiring, layout: PodLayout) -> Self {
-        Self::build(wiring, layout, false)
+        Self::build(wiring, layout, false, 2)
     }
 
     /// A dual-stack sandbox: as [`Cluster::with_layout`], every host and
     /// pod with an IPv6 address too.
     pub fn dual_stack(wiring: Wiring, layout: PodLayout) -> Self {
-        Self::build(wiring, layout, true)
+        Self::build(wiring, layout, true, 2)
     }
 
-    fn build(wiring: Wiring, layout: PodLayout, dual_stack: bool) -> Self {
+    /// A dual-stack sandbox of `nodes` nodes (2 or 3), routed pods.
+    pub fn with_nodes(nodes: usize, wiring: Wiring) -> Self {
+        Self::build(wiring, PodLayout::Routed, true, nodes)
+    }
+
+    fn build(wiring: Wiring, layout: PodLayout, dual_stack: bool, nodes: usize) -> Self {
+        assert!((2..=NODE_IPS.len()).contains(&nodes), "{nodes} nodes");
         crate::require_privileges();
         let prefix = unique_prefix();
         let switch = NetNs::new(&format!("{prefix}-sw"));
@@ -209,7 +221,7 @@ impl Cluster {
         };
         plug_into_lan(&client, &switch, "client", wiring);
 
-        let nodes: Vec<Node> = NODE_IPS
+        let nodes: Vec<Node> = NODE_IPS[..nodes]
             .iter()
             .enumerate()
             .map(|(index, &ip)| {
@@ -255,19 +267,25 @@ impl Cluster {
                 }
             }
         }
-        // Each node reaches the other node's pods through the other node.
+        // Each node reaches the other nodes' pods through them.
         for node in &nodes {
-            let other = &nodes[1 - node.index];
-            node.ns()
-                .ip_batch(&format!("route add {} via {}\n", other.pod_cidr(), other.ip()));
-            if dual_stack {
+            for other in nodes.iter().filter(|o| o.index != node.index) {
                 node.ns()
-                    .ip_batch(&format!("route add {} via {}\n", other.pod_cidr6(), other.ip6()));
+                    .ip_batch(&format!("route add {} via {}\n", other.pod_cidr(), other.ip()));
+                if dual_stack {
+                    node.ns()
+                        .ip_batch(&format!("route add {} via {}\n", other.pod_cidr6(), other.ip6()));
+                }
             }
         }
 
-        let port_xdp =
-            (wiring == Wiring::Wire).then(|| switch.run(|| pass_through_xdp(&["client", "node1", "node2"])));
+        let ports: Vec<String> = std::iter::once("client".to_owned())
+            .chain(nodes.iter().map(|n| n.name.clone()))
+            .collect();
+        let port_xdp = (wiring == Wiring::Wire).then(|| {
+            let ports: Vec<&str> = ports.iter().map(String::as_str).collect();
+            switch.run(|| pass_through_xdp(&ports))
+        });
         let bpffs = BpffsDir::new(&prefix);
         Self {
             _port_xdp: port_xdp,
@@ -283,7 +301,7 @@ impl Cluster {
         }
     }
 
-    /// Adds a pod named `name` on node `node` (0 or 1) and returns its index
+    /// Adds a pod named `name` on node `node` (0, 1, 2) and returns its index
     /// in [`Cluster::pods`].
     pub fn add_pod(&mut self, node: usize, name: &str) -> usize {
         let index = self.pods.len();

@@ -630,3 +630,44 @@ fn connect_time_programs_attach_and_replace_under_a_pin_directory() {
     // Unpinning detaches before the cgroup goes.
     std::fs::remove_dir_all(pins.path().join("links")).unwrap();
 }
+
+/// An upgrade over pins of the previous config layout (`DP_CONFIG_V3`)
+/// keeps its SNAT hash seed: live masqueraded flows are found at egress by
+/// hashing their client with it, and a new seed would orphan them all.
+#[test]
+fn an_upgrade_keeps_the_snat_hash_seed_of_the_previous_config_layout() {
+    let dir = dataplane_tests::bpffs::BpffsDir::new(&format!("{}-upgrade", dataplane_tests::unique_prefix()));
+    std::fs::create_dir_all(dir.path().join("maps")).unwrap();
+    // The old map: flags CONFIGURED at 0, the seed at 52.
+    let mut old = aya::maps::Array::<aya::maps::MapData, [u8; 264]>::create(1, 0).expect("create");
+    let mut value = [0u8; 264];
+    value[..4].copy_from_slice(&1u32.to_ne_bytes());
+    value[52..56].copy_from_slice(&0x5eed_1234u32.to_ne_bytes());
+    old.set(0, value, 0).unwrap();
+    old.pin(dir.path().join("maps/DP_CONFIG_V3")).expect("pin");
+    let opts = LoadOptions {
+        max_services: 64,
+        max_backends: 64,
+        max_service_entries: 256,
+        ct_entries: 256,
+        affinity_entries: 64,
+        ipv6: false,
+    };
+    let mut dp = Datapath::open_pinned(&opts, dir.path()).expect("open the pins");
+    dp.maps_mut()
+        .set_config(&dataplane_agent::dataplane::DatapathConfig::for_node(&[
+            "198.18.0.11".parse().unwrap(),
+        ]))
+        .unwrap();
+    assert_eq!(dp.maps().config().unwrap().snat_hash_seed, 0x5eed_1234);
+    drop(dp);
+    // Without the old map, a first start picks its own.
+    let fresh = dataplane_tests::bpffs::BpffsDir::new(&format!("{}-fresh", dataplane_tests::unique_prefix()));
+    let mut dp = Datapath::open_pinned(&opts, fresh.path()).expect("open");
+    dp.maps_mut()
+        .set_config(&dataplane_agent::dataplane::DatapathConfig::for_node(&[
+            "198.18.0.11".parse().unwrap(),
+        ]))
+        .unwrap();
+    assert_ne!(dp.maps().config().unwrap().snat_hash_seed, 0x5eed_1234);
+}

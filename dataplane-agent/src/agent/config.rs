@@ -103,6 +103,12 @@ pub struct ConfigFile {
     pub socket_lb_host_only: Option<bool>,
     pub host_routing: Option<bool>,
     pub xdp_mode: Option<String>,
+    /// `snat`, `dsr` or `hybrid`.
+    pub lb_mode: Option<String>,
+    /// `random` or `maglev`.
+    pub lb_algorithm: Option<String>,
+    pub maglev_table_size: Option<u32>,
+    pub maglev_seed: Option<u32>,
     /// LoadBalancer address allocation and L2 announcements.
     pub load_balancer: Option<crate::lb::config::LbConfigFile>,
 }
@@ -149,6 +155,11 @@ pub struct RunConfig {
     pub host_routing: bool,
     /// Where the north-south ingress path runs on external devices.
     pub xdp_mode: XdpMode,
+    /// `--lb-mode` and `--lb-algorithm`: for Services without annotations.
+    pub lb_defaults: crate::state::model::LbDefaults,
+    /// Maglev's table size (a prime) and hash seed: the same on every node.
+    pub maglev_size: u32,
+    pub maglev_seed: u32,
     /// LoadBalancer address allocation and L2 announcements.
     pub lb: crate::lb::LbConfig,
 }

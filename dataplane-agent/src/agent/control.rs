@@ -157,6 +157,8 @@ pub struct ControlLoop {
     pub node_name: String,
     pub node_ips: Vec<std::net::IpAddr>,
     pub node_port_addresses: NodePortAddresses,
+    /// `--lb-mode`, `--lb-algorithm`.
+    pub lb_defaults: crate::state::model::LbDefaults,
     pub bpffs_dir: String,
     pub timing: Timing,
     pub events: Receiver<Event>,
@@ -168,11 +170,14 @@ pub struct ControlLoop {
 
 impl ControlLoop {
     fn node(&self) -> NodeContext {
-        node_context(
-            &self.node_ips,
-            &self.node_port_addresses,
-            &interfaces::ip_addresses(),
-        )
+        NodeContext {
+            lb: self.lb_defaults,
+            ..node_context(
+                &self.node_ips,
+                &self.node_port_addresses,
+                &interfaces::ip_addresses(),
+            )
+        }
     }
 
     /// Runs until SIGTERM/SIGINT (Ok) or until the agent cannot go on.

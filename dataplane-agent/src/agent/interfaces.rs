@@ -118,10 +118,7 @@ pub struct Route {
 /// The index of the device named `name` (or one of its altnames) in this
 /// network namespace; `None` when there is none.
 pub fn index_of(name: &str) -> Option<u32> {
-    let c = std::ffi::CString::new(name).ok()?;
-    // SAFETY: a NUL-terminated string that outlives the call.
-    let i = unsafe { libc::if_nametoindex(c.as_ptr()) };
-    (i != 0).then_some(i)
+    crate::dataplane::device::ifindex(name)
 }
 
 /// Every link of this network namespace.

@@ -49,6 +49,8 @@ pub fn datapath_config(cfg: &RunConfig) -> DatapathConfig {
     c.masquerade_all = cfg.masquerade_all;
     c.socket_lb_host_only = cfg.socket_lb_host_only;
     c.host_routing = cfg.host_routing;
+    c.maglev_size = cfg.maglev_size;
+    c.maglev_seed = cfg.maglev_seed;
     c
 }
 
@@ -189,6 +191,11 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         backends = adopted.backends.len(),
         "adopted the pinned service table"
     );
+    // What the frontends imply beyond their entries (Maglev tables, DSR
+    // entries), rebuilt from them and written (a table's size or seed may
+    // have changed across the restart).
+    crate::state::diff::MapWriter::adopt(dp.maps_mut(), &adopted)
+        .context("rebuilding the Maglev tables and DSR entries")?;
     let syncer = Syncer::adopt(&adopted, &cfg.node_name, cfg.max_services, cfg.max_backends);
     drop(adopted);
     // Egress trusts no device's ingress word while the programs change (an
@@ -272,6 +279,7 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         node_name: cfg.node_name.clone(),
         node_ips: cfg.node_ips.clone(),
         node_port_addresses: cfg.node_port_addresses.clone(),
+        lb_defaults: cfg.lb_defaults,
         bpffs_dir: cfg.bpffs_dir.display().to_string(),
         timing: Timing {
             min_sync_period: cfg.min_sync_period,

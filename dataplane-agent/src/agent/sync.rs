@@ -296,6 +296,11 @@ impl Syncer {
                     report.drift = self.programmer.drift(&kernel);
                     if report.drift > 0 || self.needs_reset {
                         self.programmer.reset(&kernel);
+                        if let Err(e) = maps.adopt(&kernel) {
+                            report
+                                .problems
+                                .push(format!("Maglev tables and DSR entries: {e}"));
+                        }
                         dirty = Dirty::all();
                     }
                     self.needs_reset = false;
@@ -364,6 +369,11 @@ impl Syncer {
             }
         };
         report.drift += self.programmer.reset(&kernel);
+        if let Err(e) = maps.adopt(&kernel) {
+            report
+                .problems
+                .push(format!("Maglev tables and DSR entries: {e}"));
+        }
         let (ops, summary) = self.programmer.plan(&self.table, &Dirty::all());
         report.summary.add(&summary);
         if let Err((at, e)) = self.programmer.execute(maps, &ops) {

@@ -105,11 +105,35 @@ pub struct RunArgs {
     /// redirect per packet).
     #[arg(long)]
     pub socket_lb_host_only: bool,
-    /// Host routing: packets translated where they enter the node (TC
-    /// paths) go straight to the device of their route, skipping the node's
-    /// IP stack, netfilter's FORWARD chain included (docs/datapath.md).
+    /// Host routing: packets translated where they enter the node go
+    /// straight to the device of their route, skipping the node's IP stack,
+    /// netfilter's FORWARD chain included: TC redirects them, XDP sends
+    /// them itself (XDP_TX, or a redirect to another external device in
+    /// native XDP) (docs/datapath.md).
     #[arg(long)]
     pub host_routing: bool,
+    /// How new flows from outside to an eTP=Cluster NodePort, LoadBalancer
+    /// IP or externalIP reach a backend on another node: `snat` (masquerade,
+    /// kube-proxy's way), `dsr` (direct server return: the client's address
+    /// kept, replies straight from the backend's node), `hybrid` (DSR for
+    /// TCP, SNAT for the rest). Services choose for themselves with the
+    /// annotation dataplane.example.com/lb-mode. Every node must agree.
+    #[arg(long)]
+    pub lb_mode: Option<crate::state::model::LbMode>,
+    /// How a new flow's backend is picked: `random` (kube-proxy's way) or
+    /// `maglev` (consistent hashing: every node picks the same backend for
+    /// a flow). Annotation: dataplane.example.com/lb-algorithm.
+    #[arg(long)]
+    pub lb_algorithm: Option<crate::state::model::LbAlgorithm>,
+    /// Entries of each Maglev table: a prime (default 16381; larger for
+    /// services with many backends: 100 or more entries per backend keep
+    /// flows within about 1% of their share). Every node must agree.
+    #[arg(long)]
+    pub maglev_table_size: Option<u32>,
+    /// Seed of Maglev's hashes (any 32-bit number). Every node must agree:
+    /// set it once in the DaemonSet's config.
+    #[arg(long)]
+    pub maglev_seed: Option<u32>,
     /// Where the north-south ingress path runs on external devices: `auto`
     /// (native XDP on physical devices whose driver has it, TC on veth and
     /// other virtual devices), `native` (XDP or fail) or `off` (TC).
@@ -254,6 +278,32 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
                 (None, Some(m)) => m.parse().map_err(|e| parse_err("xdpMode", e))?,
                 (None, None) => XdpMode::Auto,
             },
+            lb_defaults: crate::state::model::LbDefaults {
+                mode: match (args.lb_mode, file.lb_mode) {
+                    (Some(m), _) => m,
+                    (None, Some(m)) => m.parse().map_err(|e| parse_err("lbMode", e))?,
+                    (None, None) => Default::default(),
+                },
+                algorithm: match (args.lb_algorithm, file.lb_algorithm) {
+                    (Some(a), _) => a,
+                    (None, Some(a)) => a.parse().map_err(|e| parse_err("lbAlgorithm", e))?,
+                    (None, None) => Default::default(),
+                },
+            },
+            maglev_size: {
+                let m = args
+                    .maglev_table_size
+                    .or(file.maglev_table_size)
+                    .unwrap_or(dataplane_common::maglev::DEFAULT_TABLE_SIZE);
+                if !crate::state::maglev::valid_size(m) {
+                    bail!(
+                        "--maglev-table-size {m}: expected a prime from 3 to {} (16381 and 65521 are)",
+                        dataplane_common::lb::MAGLEV_MAX_SIZE
+                    );
+                }
+                m
+            },
+            maglev_seed: args.maglev_seed.or(file.maglev_seed).unwrap_or(0),
             lb,
         },
         log_format,

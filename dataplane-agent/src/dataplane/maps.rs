@@ -48,6 +48,9 @@ pub struct LbMaps {
     pub(super) flow_stats: PerCpuArray<MapData, Counter>,
     /// Maglev tables, DSR entries, the devices XDP may redirect to.
     pub(super) derived: super::derived::DerivedMaps,
+    /// The SNAT hash seed of a pinned config map of the previous layout
+    /// (an upgrade): kept, as a configured map's is.
+    pub(super) inherited_snat_seed: Option<u32>,
     /// The filter's shadow copy and reference counts (see `filter`).
     pub(super) filter: AddressFilter,
     /// Addresses of removed backends, kept in the filter until their flows
@@ -101,7 +104,13 @@ impl LbMaps {
     /// Writes the node-wide settings; until then the datapath passes
     /// everything untouched.
     pub fn set_config(&mut self, config: &DatapathConfig) -> Result<(), DatapathError> {
-        let previous = self.config.get(&0, 0).map_err(err(names::CONFIG))?;
+        let mut previous = self.config.get(&0, 0).map_err(err(names::CONFIG))?;
+        if previous.flags & config_flags::CONFIGURED == 0
+            && let Some(seed) = self.inherited_snat_seed
+        {
+            previous.snat_hash_seed = seed;
+            previous.flags |= config_flags::CONFIGURED;
+        }
         let abi = config.to_abi(&previous)?;
         for (family, ip) in [
             (IpFamily::V4, config.snat_ip.map(IpAddr::V4)),

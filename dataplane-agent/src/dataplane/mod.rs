@@ -273,6 +273,11 @@ impl Datapath {
         }
         // The address filter from what the (adopted or resized) maps hold.
         dp.maps.rebuild_filter()?;
+        // An upgrade from the previous config layout: the SNAT hash seed
+        // live masqueraded flows were hashed with carries over.
+        if let Some(seed) = pins.legacy_snat_seed() {
+            dp.maps.inherited_snat_seed = Some(seed);
+        }
         dp.lock = Some(lock);
         dp.resized = resized;
         Ok(dp)
@@ -398,6 +403,7 @@ impl Datapath {
             hint_devices: take(&mut ebpf, names::HINT_DEVICES, Array::try_from)?,
             hint_shadow: None,
             flow_stats: take(&mut ebpf, names::FLOW_STATS, PerCpuArray::try_from)?,
+            inherited_snat_seed: None,
             derived: derived::DerivedMaps::new(
                 take(&mut ebpf, names::LB_MAGLEV, HashMap::try_from)?,
                 take(&mut ebpf, names::LB4_DSR, HashMap::try_from)?,
@@ -454,12 +460,21 @@ impl Datapath {
         } else {
             None
         };
+        // XDP may send forwarded frames to a device that runs it natively
+        // (host routing): the devmap lists those.
+        let ifindex = device::ifindex(device);
         let (how, hook) = match ingress {
             Some(a) => {
                 self.detach_pinned(names::TC_INGRESS, device);
+                if let Some(i) = ifindex {
+                    self.maps.set_xdp_device(i, true)?;
+                }
                 (a, names::XDP_INGRESS)
             }
             None => {
+                if let Some(i) = ifindex {
+                    self.maps.set_xdp_device(i, false)?;
+                }
                 let a = self.attach_tc(names::TC_INGRESS, TcAttachType::Ingress, device)?;
                 self.detach_pinned(names::XDP_INGRESS, device);
                 (a, names::TC_INGRESS)
@@ -865,6 +880,7 @@ impl LbMaps {
                 hint_devices,
                 hint_shadow: None,
                 flow_stats,
+                inherited_snat_seed: None,
                 derived,
                 filter: Default::default(),
                 retired: Vec::new(),

@@ -273,6 +273,23 @@ impl PinDir {
         Ok(Some(info.max_entries()))
     }
 
+    /// The SNAT hash seed of a pinned config map of the previous layout
+    /// (`DP_CONFIG_V3`, whose first 264 bytes the current one keeps), if
+    /// one is configured: an agent upgraded over it keeps hashing live
+    /// masqueraded flows' ports the same way.
+    pub fn legacy_snat_seed(&self) -> Option<u32> {
+        const V3: &str = "DP_CONFIG_V3";
+        // `flags` at 0, `snat_hash_seed` at 52 in both layouts.
+        const SEED_AT: usize = 52;
+        const _: () = assert!(std::mem::offset_of!(DpConfig, snat_hash_seed) == SEED_AT);
+        let data = MapData::from_pin(self.root.join("maps").join(V3)).ok()?;
+        let map = aya::maps::Array::<_, [u8; 264]>::try_from(aya::maps::Map::Array(data)).ok()?;
+        let v = map.get(&0, 0).ok()?;
+        let flags = u32::from_ne_bytes(v[..4].try_into().ok()?);
+        (flags & dataplane_common::config::config_flags::CONFIGURED != 0)
+            .then(|| u32::from_ne_bytes(v[SEED_AT..SEED_AT + 4].try_into().expect("4 bytes")))
+    }
+
     /// Pinned maps this version does not use (older layouts), removed once
     /// the new programs are attached: replaced deliberately.
     pub fn remove_foreign_maps(&self) -> Vec<String> {
