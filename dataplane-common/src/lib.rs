@@ -10,6 +10,7 @@
 #![no_std]
 
 pub mod addr;
+pub mod bench;
 pub mod config;
 pub mod ct;
 pub mod filter;
@@ -123,6 +124,12 @@ pub mod names {
     /// Writes CLOCK_MONOTONIC and jiffies into a test run's frame: how the
     /// agent tells the kernel's HZ (`dataplane::clock`).
     pub const XDP_CLOCK: &str = "xdp_clock";
+    /// The forwarding benchmark's generator, floor and sink, and their
+    /// configuration map (never pinned).
+    pub const XDP_BENCH_GEN: &str = "xdp_bench_gen";
+    pub const XDP_BENCH_REDIRECT: &str = "xdp_bench_redirect";
+    pub const XDP_BENCH_DROP: &str = "xdp_bench_drop";
+    pub const BENCH: &str = "DP_BENCH_V1";
     /// TC egress on external devices and pod-facing host interfaces:
     /// source rewrites (SNAT; the frontend address on replies).
     pub const TC_EGRESS: &str = "tc_egress";

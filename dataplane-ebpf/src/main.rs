@@ -8,6 +8,7 @@
 // would be copied onto the 512-byte BPF stack first.
 #![allow(clippy::needless_borrows_for_generic_args)]
 
+mod bench;
 mod csum;
 mod ct;
 mod ctx;
@@ -90,6 +91,31 @@ pub fn xdp_clock(ctx: XdpContext) -> u32 {
         return xdp_action::XDP_ABORTED;
     }
     xdp_action::XDP_PASS
+}
+
+/// The forwarding benchmark's generator (`cargo xtask bench`, never
+/// attached): run with BPF_PROG_TEST_RUN in live-frame mode on the sending
+/// veth, it writes the whole frame from the template in `DP_BENCH_V1` on
+/// every run (live frames are recycled as the receiving stack left them),
+/// the UDP destination port cycling over `ports` consecutive ports, and
+/// sends it with `XDP_TX` (to the veth's peer).
+#[xdp]
+pub fn xdp_bench_gen(ctx: XdpContext) -> u32 {
+    bench::generate(&ctx)
+}
+
+/// The forwarding benchmark's floor: every frame redirected, untouched, to
+/// the device in `DP_BENCH_V1`.
+#[xdp]
+pub fn xdp_bench_redirect(ctx: XdpContext) -> u32 {
+    bench::redirect(&ctx)
+}
+
+/// The forwarding benchmark's sink: drops every frame (the receiving
+/// veth's `xdp_drops` counter counts them).
+#[xdp]
+pub fn xdp_bench_drop(_ctx: XdpContext) -> u32 {
+    xdp_action::XDP_DROP
 }
 
 /// The TC twin of `xdp_floor`: the floor of the TC benchmarks.

@@ -150,6 +150,10 @@ pub mod forward {
     pub const ENCAP: u8 = 3;
 }
 
+/// The forwarding benchmark's configuration (see `bench`).
+#[map(name = "DP_BENCH_V1")]
+pub static BENCH: Array<dataplane_common::bench::BenchConfig> = Array::with_max_entries(1, 0);
+
 #[map(name = "DP_FORWARD_SCRATCH")]
 pub static FORWARD: PerCpuArray<Forward> = PerCpuArray::with_max_entries(1, 0);
 

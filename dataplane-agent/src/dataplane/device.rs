@@ -77,6 +77,15 @@ pub fn driver_info(device: &str) -> Option<DriverInfo> {
     })
 }
 
+/// The index of `device` (a name or an altname) in the calling thread's
+/// network namespace.
+pub fn ifindex(device: &str) -> Option<u32> {
+    let name = std::ffi::CString::new(device).ok()?;
+    // SAFETY: a NUL-terminated name; returns 0 when there is no such device.
+    let i = unsafe { libc::if_nametoindex(name.as_ptr()) };
+    (i != 0).then_some(i)
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -85,13 +94,4 @@ mod tests {
         assert!(super::driver_info("lo").is_none_or(|i| i.bus.is_empty() || i.bus == "N/A"));
         assert_eq!(super::driver_info("no-such-dev0"), None);
     }
-}
-
-/// The index of `device` (a name or an altname) in the calling thread's
-/// network namespace.
-pub fn ifindex(device: &str) -> Option<u32> {
-    let name = std::ffi::CString::new(device).ok()?;
-    // SAFETY: a NUL-terminated name; returns 0 when there is no such device.
-    let i = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    (i != 0).then_some(i)
 }

@@ -145,12 +145,12 @@ pub struct Case {
 
 /// What one run measured.
 #[derive(Clone, Debug, Default)]
-struct Sample {
-    requests_per_s: f64,
+pub(super) struct Sample {
+    pub(super) requests_per_s: f64,
     p50_us: f64,
     p99_us: f64,
     /// wrk's socket errors (connect, read, write, timeout) and non-2xx.
-    errors: u64,
+    pub(super) errors: u64,
     /// Per CPU: (busy share, kernel share of the busy time).
     cpus: Vec<(f64, f64)>,
     /// Share of one CPU that wrk and the nginx serving the measured
@@ -181,8 +181,8 @@ pub struct Row {
 }
 
 /// An nginx in a pod namespace, pinned to `cpu`; stopped on drop.
-struct Nginx {
-    child: Child,
+pub(super) struct Nginx {
+    pub(super) child: Child,
     dir: PathBuf,
 }
 
@@ -213,7 +213,7 @@ fn children_user_seconds() -> f64 {
 
 impl Nginx {
     /// One worker on `cpu`, listening on each of `addrs`.
-    fn start(ns: &str, addrs: &[SocketAddrV4], cpu: usize) -> Self {
+    pub(super) fn start(ns: &str, addrs: &[SocketAddrV4], cpu: usize) -> Self {
         let dir = std::env::temp_dir().join(format!("dp-bench-nginx-{ns}"));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("nginx dir");
@@ -307,7 +307,7 @@ fn cpu_times() -> Vec<(u64, u64, u64)> {
 
 /// Runs wrk from `ns` against `dst` for `duration`, watching `server`'s
 /// CPU time too.
-fn wrk(ns: &str, dst: SocketAddrV4, mode: Mode, duration: Duration, server: u32) -> Sample {
+pub(super) fn wrk(ns: &str, dst: SocketAddrV4, mode: Mode, duration: Duration, server: u32) -> Sample {
     let (wrk_before, nginx_before) = (children_user_seconds(), user_seconds(server));
     let started = Instant::now();
     let before = cpu_times();
@@ -547,11 +547,17 @@ const CLOCKED: [&str; 13] = [
 
 /// (id, name, runs, ns) of each loaded program named in [`CLOCKED`].
 fn program_times() -> Vec<(u32, String, u64, u64)> {
+    programs_named(&CLOCKED)
+}
+
+/// (id, name, runs, ns) of each loaded program named in `names` (as the
+/// kernel keeps them: 15 characters).
+pub(super) fn programs_named(names: &[&str]) -> Vec<(u32, String, u64, u64)> {
     aya::programs::loaded_programs()
         .filter_map(Result::ok)
         .filter_map(|p| {
             let name = p.name_as_str()?.to_owned();
-            CLOCKED
+            names
                 .contains(&name.as_str())
                 .then(|| (p.id(), name, p.run_count(), p.run_time().as_nanos() as u64))
         })
@@ -561,7 +567,7 @@ fn program_times() -> Vec<(u32, String, u64, u64)> {
 /// What each program (by name) ran between two [`program_times`]: by id,
 /// so a program loaded in between counts from zero and one unloaded in
 /// between is left out.
-fn program_deltas(
+pub(super) fn program_deltas(
     before: &[(u32, String, u64, u64)],
     after: Vec<(u32, String, u64, u64)>,
 ) -> Vec<(String, u64, u64)> {

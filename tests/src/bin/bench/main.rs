@@ -21,6 +21,7 @@ use std::{
 
 mod control;
 mod e2e;
+mod forwarding;
 mod kube_proxy;
 mod notes;
 mod probes;
@@ -111,6 +112,19 @@ fn main() {
         print!("{md}");
         return;
     }
+    let (fwd_rounds, fwd_packets) = if quick { (1, 1_000_000) } else { (3, 4_000_000) };
+    if only.as_deref() == Some("forwarding") {
+        let pick = std::env::args().skip_while(|a| a != "--variants").nth(1);
+        let rows = forwarding::measure(fwd_rounds, fwd_packets, pick.as_deref());
+        let mut md = String::new();
+        forwarding::render(&mut md, &rows, fwd_rounds);
+        if pick.is_none() {
+            let conns = forwarding::connections(e2e_rounds, e2e_duration);
+            forwarding::render_connections(&mut md, &conns, e2e_rounds, e2e_duration);
+        }
+        print!("{md}");
+        return;
+    }
     if only.as_deref() == Some("protocols") {
         let mut md = String::new();
         protocols::render(&mut md, &protocols::measure());
@@ -142,6 +156,9 @@ fn main() {
         })
         .collect();
     let e2e_rows = e2e::run(&e2e::cases(quick), e2e_rounds, e2e_duration);
+    eprintln!("bench: forwarding to a remote backend");
+    let fwd_rows = forwarding::measure(fwd_rounds, fwd_packets, None);
+    let conn_rows = forwarding::connections(e2e_rounds, e2e_duration);
     eprintln!("bench: sustained masquerading");
     let big = if quick { 1_000 } else { 10_000 };
     let sustained = e2e::sustained(sustained_duration, big);
@@ -172,6 +189,8 @@ fn main() {
         e2e_rounds,
     );
     e2e::render_costs(&mut md, &costs);
+    forwarding::render(&mut md, &fwd_rows, fwd_rounds);
+    forwarding::render_connections(&mut md, &conn_rows, e2e_rounds, e2e_duration);
     // A blank line before the slot; kube_proxy::render begins with the one
     // after it.
     md.push('\n');
@@ -214,6 +233,7 @@ fn main() {
     results.truncate(results.trim_end().len() - 1);
     results.push_str(&protocols::json(&protocol_rows));
     results.push_str(&e2e::json(&e2e_rows, &sustained));
+    results.push_str(&forwarding::json(&fwd_rows, &conn_rows));
     results.push_str(&kube_proxy::json(&control));
     results.push_str(&control::json(&ours, &agents));
     results.push_str(&probes::json(&probe_rows));
