@@ -76,8 +76,16 @@ impl DatapathCounters {
                 Vec::new()
             }
         };
+        let flows: Vec<(&'static str, u64)> = match maps.flow_stats() {
+            Ok(f) => f.into_iter().map(|(s, n)| (s.name(), n)).collect(),
+            Err(e) => {
+                warn!(error = %e, "cannot read the flow counters");
+                Vec::new()
+            }
+        };
         let occupancy = maps.occupancy();
         let mut m = metrics.lock().expect("metrics");
+        m.flow_events = flows;
         m.datapath_events = events;
         m.service_traffic = traffic;
         m.map_occupancy.extend(occupancy);

@@ -51,6 +51,9 @@ pub struct Metrics {
     pub datapath_events: Vec<(String, String, u64, u64)>,
     /// service → (packets, bytes).
     pub service_traffic: Vec<(String, u64, u64)>,
+    /// What new flows needed and how packets were forwarded
+    /// (`dataplane_common::stats::FlowStat`): name → count.
+    pub flow_events: Vec<(&'static str, u64)>,
     /// Pod-facing interfaces the datapath is attached to.
     pub pod_interfaces: u64,
     /// Local endpoints that no attached pod interface leads to.
@@ -77,6 +80,7 @@ impl Default for Metrics {
             map_occupancy: BTreeMap::new(),
             datapath_events: Vec::new(),
             service_traffic: Vec::new(),
+            flow_events: Vec::new(),
             pod_interfaces: 0,
             unreachable_local_endpoints: 0,
             lb: Default::default(),
@@ -277,6 +281,15 @@ impl Metrics {
             "Bytes by program and outcome",
             MetricType::Counter,
             self.datapath_events.iter().map(|e| (events(e), e.3)),
+            const_counter,
+        )?;
+        family(
+            enc,
+            "dataplane_flow_events",
+            "What new flows needed (SNAT ports, takeovers) and how packets were forwarded (XDP, host routing, \
+             DSR, and why the stack got a packet instead), by event",
+            MetricType::Counter,
+            self.flow_events.iter().map(|(e, n)| (vec![("event", *e)], *n)),
             const_counter,
         )?;
         family(

@@ -85,6 +85,12 @@ fn flags(e: &FrontendEntry) -> Vec<&'static str> {
     if e.source_ranges {
         f.push("source-ranges");
     }
+    if e.dsr {
+        f.push("dsr");
+    }
+    if e.maglev {
+        f.push("maglev");
+    }
     f
 }
 
@@ -442,7 +448,7 @@ fn conntrack_rows<A: AbiAddr>(
 }
 
 /// An entry's role and its flow's state, as words: `fwd-in`, `fwd-out`,
-/// `rep-in`, `rep-out`; `snat`, `explicit`; `replied`, `fin-fwd`,
+/// `rep-in`, `rep-out`; `snat`, `explicit`, `dsr`; `replied`, `fin-fwd`,
 /// `fin-rep`, `rst`.
 pub fn ct_flag_names<A: AbiAddr>(e: &CtEntry<A>) -> Vec<&'static str> {
     let mut f = vec![match e.role() {
@@ -451,7 +457,11 @@ pub fn ct_flag_names<A: AbiAddr>(e: &CtEntry<A>) -> Vec<&'static str> {
         ct_flags::REP_IN => "rep-in",
         _ => "rep-out",
     }];
-    for (bit, name) in [(ct_flags::SNAT, "snat"), (ct_flags::EXPLICIT, "explicit")] {
+    for (bit, name) in [
+        (ct_flags::SNAT, "snat"),
+        (ct_flags::EXPLICIT, "explicit"),
+        (ct_flags::DSR, "dsr"),
+    ] {
         if e.flags & bit != 0 {
             f.push(name);
         }
