@@ -742,3 +742,39 @@ pub fn render_connections(md: &mut String, rows: &[ConnRow], rounds: usize, dura
         );
     }
 }
+
+/// Maglev table builds (the agent's, `state::maglev::build`): median ms per
+/// build of a table for `backends` backends, per table size.
+pub fn maglev_builds(rounds: usize) -> Vec<(usize, u32, Stat)> {
+    use dataplane_agent::state::maglev;
+    let mut out = Vec::new();
+    for (n, size) in [(10usize, 16_381u32), (100, 16_381), (1_000, 16_381), (1_000, 65_537)] {
+        let set: Vec<(std::net::IpAddr, u16)> = (0..n)
+            .map(|i| (Ipv4Addr::from(0x0af4_0000 + i as u32).into(), 8080))
+            .collect();
+        let times: Vec<f64> = (0..rounds.max(5))
+            .map(|r| {
+                let started = Instant::now();
+                let t = maglev::build(&set, size, r as u32);
+                assert_eq!(t.len(), size as usize);
+                started.elapsed().as_secs_f64() * 1e3
+            })
+            .collect();
+        out.push((n, size, stat(times)));
+    }
+    out
+}
+
+pub fn render_maglev(md: &mut String, rows: &[(usize, u32, Stat)]) {
+    let _ = writeln!(
+        md,
+        "\n### Maglev table builds\n\n\
+         One table per backend set of a Maglev Service port, rebuilt when the set changes (and only the chunks that \
+         differ written): the agent's build time, median (min–max) over rounds.\n"
+    );
+    let _ = writeln!(md, "| backends | table size | ms per build |");
+    let _ = writeln!(md, "|---:|---:|---:|");
+    for (n, size, s) in rows {
+        let _ = writeln!(md, "| {n} | {size} | {:.2} ({:.2}–{:.2}) |", s.median, s.min, s.max);
+    }
+}

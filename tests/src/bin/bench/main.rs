@@ -121,6 +121,7 @@ fn main() {
         if pick.is_none() {
             let conns = forwarding::connections(e2e_rounds, e2e_duration);
             forwarding::render_connections(&mut md, &conns, e2e_rounds, e2e_duration);
+            forwarding::render_maglev(&mut md, &forwarding::maglev_builds(ROUNDS));
         }
         print!("{md}");
         return;
@@ -191,6 +192,7 @@ fn main() {
     e2e::render_costs(&mut md, &costs);
     forwarding::render(&mut md, &fwd_rows, fwd_rounds);
     forwarding::render_connections(&mut md, &conn_rows, e2e_rounds, e2e_duration);
+    forwarding::render_maglev(&mut md, &forwarding::maglev_builds(ROUNDS));
     // A blank line before the slot; kube_proxy::render begins with the one
     // after it.
     md.push('\n');
