@@ -1,6 +1,8 @@
 //! Packet fuzzer: random and mutated frames through every packet program
 //! with BPF_PROG_TEST_RUN, each output checked against a model of what the
-//! program may do with it. The datapath is a dual-stack node's: every
+//! program may do with it. One Service balances with Maglev, one by DSR to
+//! a local backend, and encapsulated packets (DSR's) come among the frames:
+//! one taken apart must be judged as its inner packet, translated. The datapath is a dual-stack node's: every
 //! Service twice, an IPv4 and an IPv6 Service port, and frames of both
 //! families (IPv6 ones with extension headers now and then). The model knows
 //! the programmed Services and the flows the run has opened, not the
@@ -65,6 +67,8 @@ const REMOTE_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 10);
 const LOCAL_POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 1, 0, 0, 0, 0x10);
 const REMOTE_POD6: Ipv6Addr = Ipv6Addr::new(0xfd00, 0x10, 0x244, 2, 0, 0, 0, 0x10);
 const SNAT_PORTS: (u16, u16) = (1024, 32767);
+/// The DSR Service's NodePort (its backend is local).
+const DSR_NODE_PORT: u16 = 30083;
 
 /// splitmix64: deterministic, seedable, good enough to pick mutations.
 pub struct Rng(u64);
@@ -211,6 +215,8 @@ pub struct Model {
     /// (backend, client, protocol).
     client_frontend: HashSet<(SocketAddr, SocketAddr, u8)>,
     backend_client: HashMap<(SocketAddr, SocketAddr, u8), BTreeSet<SocketAddr>>,
+    /// Judging the inner packet of an encapsulated one (see `check`).
+    decapsulating: bool,
 }
 
 /// A flow the run opened: client → frontend, translated to the backend.
@@ -274,6 +280,7 @@ fn services_of(v6: bool) -> Vec<TestService> {
     vec![
         new(1, "np-cluster", Protocol::Tcp, 80)
             .node_port(30080)
+            .maglev()
             .endpoint(remote(8080))
             .endpoint(local(8080)),
         new(2, "lb-local", Protocol::Tcp, 80)
@@ -308,6 +315,13 @@ fn services_of(v6: bool) -> Vec<TestService> {
             .node_port(30090)
             .endpoint(remote(9090))
             .endpoint(local(9090)),
+        // DSR with a local backend: translated here unmasqueraded, and
+        // encapsulated packets to it through the frontend (from whichever
+        // node) taken apart and translated.
+        new(11, "dsr", Protocol::Tcp, 80)
+            .node_port(DSR_NODE_PORT)
+            .lb_mode(dataplane_agent::state::model::LbMode::Dsr)
+            .endpoint(local(8082)),
     ]
 }
 
@@ -381,6 +395,7 @@ impl Model {
             remembered: 0,
             client_frontend: HashSet::new(),
             backend_client: HashMap::new(),
+            decapsulating: false,
         }
     }
 
@@ -706,6 +721,8 @@ pub struct Report {
     /// another frontend holds (`drop_tuple_clash`, counted by the datapath):
     /// the fuzzer draws client ports from a small set, so it makes them.
     pub clashes: u64,
+    /// Encapsulated packets taken apart (DSR's backend-node half).
+    pub decapsulated: u64,
     /// Model violations: how many, and the first 20 (program, why, input
     /// frame as hex).
     pub violation_count: u64,
@@ -775,6 +792,10 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
+fn drop_of(p: Program) -> u32 {
+    verdicts(p).1
+}
+
 /// Verdict numbers of a program type: (pass, drop, sent back).
 fn verdicts(p: Program) -> (u32, u32, u32) {
     if p.xdp { (2, 1, 3) } else { (0, 2, 7) }
@@ -791,6 +812,36 @@ fn check(
     r: &mut Report,
 ) -> Result<(), String> {
     let (pass, drop, back) = verdicts(p);
+    // An encapsulated packet (DSR's) taken apart at an external device's
+    // ingress: judged as its inner packet would be, which must have been
+    // translated (a DSR frontend to its local backend).
+    // (A drop of one is its inner flow's tuple clash, counted.)
+    if p.side == Side::Ingress
+        && p.name != names::TC_POD_INGRESS
+        && verdict == drop_of(p)
+        && iv.and_then(|v| decapsulated(input, v)).is_some()
+    {
+        if clash {
+            r.clashes += 1;
+            return Ok(());
+        }
+        return Err("dropped an encapsulated packet (no tuple clash counted)".into());
+    }
+    if p.side == Side::Ingress
+        && p.name != names::TC_POD_INGRESS
+        && verdict == pass
+        && let Some(inner) = iv.and_then(|v| decapsulated(input, v))
+        && out.len() == inner.len()
+        && out != &inner[..]
+    {
+        r.decapsulated += 1;
+        let inner_view = view(&inner);
+        // A DSR NodePort reached on any node's address is the frontend.
+        model.decapsulating = true;
+        let judged = check(model, p, &inner, inner_view.as_ref(), (verdict, clash), out, r);
+        model.decapsulating = false;
+        return judged;
+    }
     let v6 = iv.is_some_and(|v| v.v6);
     let must = p.side == Side::Ingress && iv.is_some_and(|v| model.must_translate(v));
     if must {
@@ -916,7 +967,14 @@ fn check(
             if osp != isp || ov.src != iv.src {
                 return Err("ingress changed the source".into());
             }
-            let frontend = model.frontends.get(&from);
+            let frontend = model.frontends.get(&from).or_else(|| {
+                // Taken apart by DSR's backend-node half: a NodePort on
+                // another node's address.
+                model
+                    .decapsulating
+                    .then(|| model.frontends.get(&(snat_ip(v6), idp, iv.proto)))
+                    .flatten()
+            });
             if let Some(fe) = frontend
                 && fe.backends.contains(&to)
             {
@@ -986,6 +1044,16 @@ fn check(
             ))
         }
     }
+}
+
+/// The inner packet of an encapsulated one (IPIP, IPv6-in-IPv6: the outer
+/// header removed, the L2 header kept), if `iv` is one.
+fn decapsulated(f: &[u8], iv: &View) -> Option<Vec<u8>> {
+    let olen = if iv.v6 { 40 } else { 20 };
+    let encap = if iv.v6 { 41 } else { 4 };
+    // Bytes after the IP packet (a frame's padding) stay where they were.
+    (iv.proto == encap && iv.l4 == iv.l3 + olen && iv.end <= f.len())
+        .then(|| [&f[..iv.l3], &f[iv.l4..]].concat())
 }
 
 fn check_reject(
@@ -1237,7 +1305,9 @@ fn seed(rng: &mut Rng, model: &Model) -> Vec<u8> {
                 Frame::tcp(src, SocketAddr::new(fm.remote_pod, 8080), 0x10)
             }
         }
-        // ICMP errors about flows.
+        // ICMP errors about flows; now and then an encapsulated packet
+        // (DSR's) to the local backend of the DSR frontend, or elsewhere.
+        7 if rng.chance(40) => return encapsulated_seed(rng, &fm),
         7 => return icmp_seed(rng, &fm, model),
         // Anything else: not ours; ICMPv6 echo requests to frontends (no
         // errors: never translated) among them.
@@ -1282,6 +1352,52 @@ fn seed(rng: &mut Rng, model: &Model) -> Vec<u8> {
     }
     fr.payload = (0..rng.below(64)).map(|_| rng.next_u64() as u8).collect();
     fr.build()
+}
+
+/// An IPIP (IPv6-in-IPv6) packet from another node: inside, a client's
+/// packet to the DSR Service's NodePort (on some node's address) or to
+/// another port; outside, to the DSR backend or another address.
+fn encapsulated_seed(rng: &mut Rng, fm: &Fam) -> Vec<u8> {
+    let node = if rng.chance(70) { fm.node } else { fm.router };
+    let port = if rng.chance(80) {
+        DSR_NODE_PORT
+    } else {
+        30000 + rng.below(100) as u16
+    };
+    let mut inner = Frame::tcp(
+        random_client(rng, fm),
+        SocketAddr::new(node, port),
+        *rng.pick(&[0x02u8, 0x10, 0x11, 0x18]),
+    );
+    inner.payload = (0..rng.below(32)).map(|_| rng.next_u64() as u8).collect();
+    let inner = inner.build();
+    let to = if rng.chance(80) {
+        fm.local_pod
+    } else {
+        fm.remote_pod
+    };
+    let from = fm.router;
+    let payload = &inner[14..];
+    let outer = match (from, to) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 4, 0, 0];
+            ip[2..4].copy_from_slice(&((20 + payload.len()) as u16).to_be_bytes());
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            let c = internet_checksum(&[&ip]);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            ip
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let mut ip = vec![0x60, 0, 0, 0, 0, 0, 41, 64];
+            ip[4..6].copy_from_slice(&(payload.len() as u16).to_be_bytes());
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            ip
+        }
+        _ => unreachable!("one family"),
+    };
+    [&inner[..14], &outer[..], payload].concat()
 }
 
 /// An IPv6 extension header chain: mostly short ones of options and

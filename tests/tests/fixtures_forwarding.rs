@@ -482,8 +482,7 @@ fn dsr_backend_node_decapsulates_and_replies_as_the_frontend() {
         // From a pod, an encapsulated packet is the pod's business: never
         // taken apart there (DSR arrives through external devices).
         let pod_frame = encapsulated(&from_client(client, sa(NODE, DSR), TCP_ACK).build(), REMOTE_POD);
-        let (v, out, _) =
-            dataplane_tests::testrun::run(dp.tc(names::TC_POD_INGRESS).unwrap(), &pod_frame, 1);
+        let (v, out, _) = dataplane_tests::testrun::run(dp.tc(names::TC_POD_INGRESS).unwrap(), &pod_frame, 1);
         assert_eq!((v, out), (TC_ACT_OK, pod_frame), "{program}: from a pod");
     }
     let _ = TC_ACT_SHOT;

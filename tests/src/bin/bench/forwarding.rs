@@ -748,7 +748,12 @@ pub fn render_connections(md: &mut String, rows: &[ConnRow], rounds: usize, dura
 pub fn maglev_builds(rounds: usize) -> Vec<(usize, u32, Stat)> {
     use dataplane_agent::state::maglev;
     let mut out = Vec::new();
-    for (n, size) in [(10usize, 16_381u32), (100, 16_381), (1_000, 16_381), (1_000, 65_537)] {
+    for (n, size) in [
+        (10usize, 16_381u32),
+        (100, 16_381),
+        (1_000, 16_381),
+        (1_000, 65_537),
+    ] {
         let set: Vec<(std::net::IpAddr, u16)> = (0..n)
             .map(|i| (Ipv4Addr::from(0x0af4_0000 + i as u32).into(), 8080))
             .collect();
@@ -775,6 +780,10 @@ pub fn render_maglev(md: &mut String, rows: &[(usize, u32, Stat)]) {
     let _ = writeln!(md, "| backends | table size | ms per build |");
     let _ = writeln!(md, "|---:|---:|---:|");
     for (n, size, s) in rows {
-        let _ = writeln!(md, "| {n} | {size} | {:.2} ({:.2}–{:.2}) |", s.median, s.min, s.max);
+        let _ = writeln!(
+            md,
+            "| {n} | {size} | {:.2} ({:.2}–{:.2}) |",
+            s.median, s.min, s.max
+        );
     }
 }
