@@ -180,6 +180,21 @@ pub fn snat_port_hash<A: Addr>(client: A, port: u16, seed: u32, min: u16, max: u
 
 crate::impl_pod_generic!(CtKey, CtEntry);
 
+/// Per CPU and backend id: the SNAT port search's state (`DP_SNAT_CURSORS`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnatCursor {
+    /// Where the fallback search resumes (0: not started).
+    pub next: u32,
+    /// Until when (the datapath clock in ms, wrapping) new flows to this
+    /// backend try only their hashed port: the last full search found every
+    /// port it tried held by a live flow (the backend's ports are
+    /// exhausted), and another would cost as much for nothing.
+    pub backoff_until_ms: u32,
+}
+crate::assert_layout!(SnatCursor, 8, 4);
+crate::impl_pod!(SnatCursor);
+
 /// Connect-time translation: which Service address a socket's backend
 /// stands for (getpeername, recvmsg).
 #[repr(C)]

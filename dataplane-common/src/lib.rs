@@ -37,8 +37,10 @@ pub mod names {
     /// Bitmap of the devices whose ingress word egress may trust
     /// ([`crate::hint::device_slot`]).
     pub const HINT_DEVICES: &str = "DP_HINT_DEVICES_V1";
-    /// Per-CPU SNAT port cursor per backend id (fallback port search).
-    pub const SNAT_CURSORS: &str = "DP_SNAT_CURSORS_V1";
+    /// Per-CPU SNAT port search state per backend id
+    /// ([`crate::ct::SnatCursor`]: where the fallback search resumes, and
+    /// until when a backend found exhausted is not searched again).
+    pub const SNAT_CURSORS: &str = "DP_SNAT_CURSORS_V2";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by
     /// [`crate::stats::FlowStat`]: what new flows needed.
     pub const FLOW_STATS: &str = "DP_FLOW_STATS_V2";
@@ -167,8 +169,13 @@ pub mod limits {
     /// Connect-time translations remembered for getpeername/recvmsg.
     pub const SOCK_REVNAT_ENTRIES: u32 = 65_536;
     /// Ports tried (after the flow's hashed port) before a new flow is
-    /// dropped for want of a SNAT port.
-    pub const SNAT_ATTEMPTS: u32 = 32;
+    /// dropped for want of a SNAT port; after such a drop, new flows to that
+    /// backend on that CPU try only their hashed port for
+    /// [`SNAT_BACKOFF_MS`] (see `ct::SnatCursor`).
+    pub const SNAT_ATTEMPTS: u32 = 8;
+    /// How long a CPU spares a backend whose SNAT ports it found all held
+    /// the full search, in ms of the datapath clock.
+    pub const SNAT_BACKOFF_MS: u32 = 100;
     /// Chunks of Maglev tables (allocated as written): 1024 tables of the
     /// default size (16 chunks each).
     pub const MAGLEV_CHUNKS: u32 = 16_384;

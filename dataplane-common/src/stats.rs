@@ -255,10 +255,13 @@ pub enum FlowStat {
     /// first packet, served masqueraded instead (the stack resolves the
     /// neighbour meanwhile).
     DsrFallbackSnat = 16,
+    /// New masqueraded flows dropped without a search: their CPU found the
+    /// backend's SNAT ports exhausted less than `SNAT_BACKOFF_MS` ago.
+    SnatBackoff = 17,
 }
 
 impl FlowStat {
-    pub const ALL: [FlowStat; 17] = [
+    pub const ALL: [FlowStat; 18] = [
         FlowStat::SnatHashed,
         FlowStat::SnatFallback,
         FlowStat::SnatTakeover,
@@ -276,6 +279,7 @@ impl FlowStat {
         FlowStat::DsrEncapsulated,
         FlowStat::DsrDecapsulated,
         FlowStat::DsrFallbackSnat,
+        FlowStat::SnatBackoff,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -297,6 +301,7 @@ impl FlowStat {
             FlowStat::DsrEncapsulated => "dsr_encapsulated",
             FlowStat::DsrDecapsulated => "dsr_decapsulated",
             FlowStat::DsrFallbackSnat => "dsr_fallback_snat",
+            FlowStat::SnatBackoff => "snat_backoff",
         }
     }
 }

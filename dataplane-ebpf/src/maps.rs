@@ -52,9 +52,10 @@ pub static SOURCE_RANGES: LpmTrie<Lb4SourceRangeData, u8> =
 #[map(name = "CT4_V2")]
 pub static CT4: LruHashMap<Ct4Key, Ct4Entry> = LruHashMap::with_max_entries(limits::CT_ENTRIES, 0);
 
-/// Per CPU and backend id: where the fallback SNAT port search resumes.
-#[map(name = "DP_SNAT_CURSORS_V1")]
-pub static SNAT_CURSORS: PerCpuArray<u32> = PerCpuArray::with_max_entries(limits::MAX_BACKENDS, 0);
+/// Per CPU and backend id: the SNAT port search's state.
+#[map(name = "DP_SNAT_CURSORS_V2")]
+pub static SNAT_CURSORS: PerCpuArray<dataplane_common::ct::SnatCursor> =
+    PerCpuArray::with_max_entries(limits::MAX_BACKENDS, 0);
 
 #[map(name = "DP_COUNTERS_V1")]
 pub static COUNTERS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(COUNTER_SLOTS, 0);

@@ -86,7 +86,14 @@ fn search<F: Family>(
         return Err(Event::DropSnatExhausted);
     };
     // SAFETY: this CPU's slot of a per-CPU array, only written here.
-    let mut next = unsafe { *cursor };
+    let (mut next, backoff_until) = unsafe { ((*cursor).next, (*cursor).backoff_until_ms) };
+    let now_ms = (now / 1_000_000) as u32;
+    // Exhausted a moment ago (0: never): spare the search (a wrapping
+    // comparison: the clock in ms wraps every 49 days).
+    if backoff_until != 0 && (backoff_until.wrapping_sub(now_ms) as i32) > 0 {
+        stats::count_flow(FlowStat::SnatBackoff);
+        return Err(Event::DropSnatExhausted);
+    }
     if next == 0 {
         // SAFETY: helper without arguments.
         next = unsafe { bpf_get_prandom_u32() } | 1;
@@ -103,7 +110,7 @@ fn search<F: Family>(
         let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, None);
         if outcome.won() {
             // SAFETY: as above.
-            unsafe { *cursor = next };
+            unsafe { (*cursor).next = next };
             stats::count_flow(FlowStat::SnatFallback);
             if outcome == Claim::TakenOver {
                 stats::count_flow(FlowStat::SnatTakeover);
@@ -113,6 +120,9 @@ fn search<F: Family>(
         stats::count_flow(FlowStat::SnatPortsBusy);
     }
     // SAFETY: as above.
-    unsafe { *cursor = next };
+    unsafe {
+        (*cursor).next = next;
+        (*cursor).backoff_until_ms = now_ms.wrapping_add(limits::SNAT_BACKOFF_MS).max(1);
+    }
     Err(Event::DropSnatExhausted)
 }

@@ -130,7 +130,7 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         names::SOCK6_REVNAT => s(size_of::<Sock6RevKey>(), size_of::<Sock6RevValue>()),
         names::COUNTERS | names::SERVICE_STATS | names::FLOW_STATS => s(4, size_of::<Counter>()),
         names::ADDR_FILTER | names::HINT_DEVICES => s(4, 8),
-        names::SNAT_CURSORS => s(4, 4),
+        names::SNAT_CURSORS => s(4, size_of::<dataplane_common::ct::SnatCursor>()),
         names::LB4_SERVICE_NAMES => s(4, size_of::<Lb4ServiceName>()),
         names::SOCK4_REVNAT => s(size_of::<Sock4RevKey>(), size_of::<Sock4RevValue>()),
         names::LB_MAGLEV => s(
