@@ -99,6 +99,29 @@ crate::assert_layout!(Ct4Entry, 32, 8);
 crate::assert_layout!(Ct6Entry, 56, 8);
 
 impl<A: Addr> CtEntry<A> {
+    /// Idle timeout of the entry in seconds, by its flow's state (TCP
+    /// before a reply, established, half-closed, closed; UDP/SCTP before
+    /// and after a reply): what the datapath ignores it after, and what the
+    /// agent collects its assured copy after.
+    #[inline(always)]
+    pub fn timeout_s(&self, proto: u8, t: &crate::config::CtTimeouts) -> u32 {
+        if proto == crate::proto::TCP {
+            if self.tcp_closed() {
+                t.tcp_closed
+            } else if self.has(state::FIN_FWD) || self.has(state::FIN_REP) {
+                t.tcp_half_closed
+            } else if self.has(state::REPLIED) {
+                t.tcp_established
+            } else {
+                t.tcp_syn
+            }
+        } else if self.has(state::REPLIED) {
+            t.udp
+        } else {
+            t.udp_unreplied
+        }
+    }
+
     #[inline(always)]
     pub fn role(&self) -> u8 {
         self.flags & ct_flags::ROLE_MASK
@@ -145,7 +168,31 @@ pub mod ct_flags {
     /// another node) encapsulated, untranslated; the replies never come
     /// back here, so the flow has no other entry on this node.
     pub const DSR: u8 = 1 << 4;
+    /// The flow is assured: the entry has a copy in the assured table
+    /// (`CT4_ASSURED`), which no flood of new flows can evict from (see
+    /// [`super::assured`]).
+    pub const ASSURED: u8 = 1 << 5;
 }
+
+/// Conntrack lives in an LRU map, which a flood of new flows evicts from,
+/// least recently used first, established connections as readily as the
+/// flood's own flows. A flow becomes assured as netfilter marks a
+/// connection assured; from then on its entries also have a copy in the
+/// assured table (a hash map that never evicts; the agent collects expired
+/// copies). When the LRU has evicted one of them, the flow's next packet
+/// finds the copy and puts it back: a flood cannot break an assured flow.
+/// Its copies follow its state (facts as they are learnt, the timestamp on
+/// each once-a-second refresh). A flow is assured:
+///
+/// - TCP: the client's first segment after the server answered (the
+///   handshake's last ACK): a packet from the client side, not a SYN, with
+///   a reply seen.
+/// - UDP and SCTP: traffic both ways, still flowing after a second (the
+///   first refresh of an entry that has seen a reply): a stream, not a
+///   probe (netfilter waits two seconds).
+/// - A DSR flow (its replies never come through this node): when the
+///   client's first segment after the SYN shows it was answered.
+pub mod assured {}
 
 /// Indexes of [`Ct4Entry::state`].
 pub mod state {

@@ -30,7 +30,12 @@ pub mod names {
     pub const LB4_BACKENDS: &str = "LB4_BACKENDS_V1";
     pub const LB4_AFFINITY: &str = "LB4_AFFINITY_V1";
     pub const LB4_SOURCE_RANGES: &str = "LB4_SOURCE_RANGES_V1";
+    /// Conntrack (LRU: a flood of new flows evicts from it).
     pub const CT4: &str = "CT4_V2";
+    /// Copies of assured flows' conntrack entries, restored into `CT4` when
+    /// it evicted them (a hash map that never evicts; the agent collects
+    /// its expired copies): see [`crate::ct::assured`].
+    pub const CT4_ASSURED: &str = "CT4_ASSURED_V1";
     pub const CONFIG: &str = "DP_CONFIG_V4";
     /// Bitmaps of the addresses the hooks act on ([`crate::filter`]).
     pub const ADDR_FILTER: &str = "DP_ADDR_FILTER_V2";
@@ -71,11 +76,12 @@ pub mod names {
     pub const LB6_AFFINITY: &str = "LB6_AFFINITY_V1";
     pub const LB6_SOURCE_RANGES: &str = "LB6_SOURCE_RANGES_V1";
     pub const CT6: &str = "CT6_V1";
+    pub const CT6_ASSURED: &str = "CT6_ASSURED_V1";
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
     pub const LB6_DSR: &str = "LB6_DSR_V1";
 
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 24] = [
+    pub const ALL_MAPS: [&str; 26] = [
         CONFIG,
         ADDR_FILTER,
         HINT_DEVICES,
@@ -100,6 +106,8 @@ pub mod names {
         LB4_DSR,
         LB6_DSR,
         XDP_DEVICES,
+        CT4_ASSURED,
+        CT6_ASSURED,
     ];
 
     /// XDP on the node's external devices: north-south translation.

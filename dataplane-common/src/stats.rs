@@ -258,10 +258,43 @@ pub enum FlowStat {
     /// New masqueraded flows dropped without a search: their CPU found the
     /// backend's SNAT ports exhausted less than `SNAT_BACKOFF_MS` ago.
     SnatBackoff = 17,
+    /// Conntrack entries of flows that became assured (see
+    /// `ct::assured`), copied into the assured table, which no flood of
+    /// new flows can evict from.
+    CtAssured = 18,
+    /// Entries of assured flows left unprotected because the assured table
+    /// is full (they work; a flood can evict them for good).
+    CtAssuredFull = 19,
+    /// Entries of new flows the datapath wrote into the conntrack LRU.
+    /// What the LRU evicted is these and the restored ones
+    /// ([`FlowStat::CtRestored`]), less those the datapath removed
+    /// ([`FlowStat::CtRemoved`]), less those the agent deleted
+    /// ([`FlowStat::CtDeleted`]), less those it holds: the agent's
+    /// `dataplane_conntrack_evictions`.
+    CtInserted = 20,
+    /// Entries the datapath removed from the LRU (taken over by a new
+    /// flow).
+    CtRemoved = 21,
+    /// Entries of assured flows the LRU had evicted, put back from their
+    /// copy when their flow's next packet looked for them: each is an
+    /// established connection a flood would have broken.
+    CtRestored = 22,
+    /// New flows started by a TCP segment other than a SYN: a connection
+    /// whose entries were evicted (unassured), expired or collected sending
+    /// again (it is picked up, as netfilter's loose TCP tracking does,
+    /// possibly to another backend).
+    CtMidstream = 23,
+    /// Entries the agent deleted from the LRU (the UDP flows of an endpoint
+    /// that stopped serving). Written by the agent alone (its count on the
+    /// first CPU's slot).
+    CtDeleted = 24,
+    /// Expired copies the agent collected from the assured table. Written
+    /// by the agent alone, as above.
+    CtCollected = 25,
 }
 
 impl FlowStat {
-    pub const ALL: [FlowStat; 18] = [
+    pub const ALL: [FlowStat; 26] = [
         FlowStat::SnatHashed,
         FlowStat::SnatFallback,
         FlowStat::SnatTakeover,
@@ -280,6 +313,14 @@ impl FlowStat {
         FlowStat::DsrDecapsulated,
         FlowStat::DsrFallbackSnat,
         FlowStat::SnatBackoff,
+        FlowStat::CtAssured,
+        FlowStat::CtAssuredFull,
+        FlowStat::CtInserted,
+        FlowStat::CtRemoved,
+        FlowStat::CtRestored,
+        FlowStat::CtMidstream,
+        FlowStat::CtDeleted,
+        FlowStat::CtCollected,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -302,6 +343,14 @@ impl FlowStat {
             FlowStat::DsrDecapsulated => "dsr_decapsulated",
             FlowStat::DsrFallbackSnat => "dsr_fallback_snat",
             FlowStat::SnatBackoff => "snat_backoff",
+            FlowStat::CtAssured => "ct_assured",
+            FlowStat::CtAssuredFull => "ct_assured_table_full",
+            FlowStat::CtInserted => "ct_inserted",
+            FlowStat::CtRemoved => "ct_removed",
+            FlowStat::CtRestored => "ct_restored",
+            FlowStat::CtMidstream => "ct_midstream_pickup",
+            FlowStat::CtDeleted => "ct_deleted",
+            FlowStat::CtCollected => "ct_collected",
         }
     }
 }

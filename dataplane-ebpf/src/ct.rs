@@ -72,23 +72,7 @@ pub fn now_inline() -> u64 {
 /// Idle timeout of an entry in its flow's current state.
 #[inline(always)]
 fn timeout_ns<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>) -> u64 {
-    let t = &cfg.timeouts;
-    let s = if proto == proto::TCP {
-        if e.tcp_closed() {
-            t.tcp_closed
-        } else if e.has(state::FIN_FWD) || e.has(state::FIN_REP) {
-            t.tcp_half_closed
-        } else if e.has(state::REPLIED) {
-            t.tcp_established
-        } else {
-            t.tcp_syn
-        }
-    } else if e.has(state::REPLIED) {
-        t.udp
-    } else {
-        t.udp_unreplied
-    };
-    s as u64 * NS_PER_S
+    e.timeout_s(proto, &cfg.timeouts) as u64 * NS_PER_S
 }
 
 #[inline(always)]
@@ -103,11 +87,107 @@ pub fn reusable<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>, now: u64) ->
     (proto == proto::TCP && e.tcp_closed()) || expired(cfg, proto, e, now)
 }
 
-/// The live entry for `key`, if any (expired entries are ignored; the LRU
-/// reclaims them).
+/// The entry for `key`, expired or not: from the conntrack LRU or, for an
+/// assured flow's entry the LRU evicted, put back there from its copy
+/// ([`restore`]). Every pointer this returns points into the LRU: the
+/// verifier follows one kind of entry, whatever its origin.
+#[inline(always)]
+fn get<F: Family>(key: &CtKey<F::A>) -> Option<*mut CtEntry<F::A>> {
+    match F::ct().get_ptr_mut(key) {
+        Some(e) => Some(e),
+        None if restore::<F>(key) => F::ct().get_ptr_mut(key),
+        None => None,
+    }
+}
+
+/// Puts an assured flow's entry the LRU evicted back from its copy in the
+/// assured table (counted `ct_restored`); `false` when `key` has no copy
+/// either (a new flow). Of CPUs restoring one entry at once, one inserts
+/// the copy; all return `true`. It returns no pointer: one from this
+/// frame would keep the verifier from pruning the established path after
+/// it against the LRU hit's (measured: the budget test's `xdp_ingress`
+/// past a million instructions).
+#[inline(never)]
+fn restore<F: Family>(key: &CtKey<F::A>) -> bool {
+    let Some(c) = F::ct_assured().get_ptr(key) else {
+        return false;
+    };
+    // SAFETY: a map value pointer, valid for this run; the helper copies it.
+    if F::ct().insert(key, unsafe { &*c }, BPF_NOEXIST as u64).is_ok() {
+        crate::stats::count_flow(FlowStat::CtRestored);
+    }
+    true
+}
+
+/// A copy of the entry for `key`, from the LRU or, for an assured flow's
+/// entry the LRU evicted, from its copy; `None` when there is neither.
+/// For the checks of who holds a key (`clear_tuple`, `claim`): nothing is
+/// put back. The copy is this CPU's (`DP_CT_PEEK*`), valid until the next
+/// peek: callers see one kind of pointer, never one that could be into
+/// either table (which would keep the verifier from pruning the paths
+/// after it).
+#[inline(never)]
+fn peek<F: Family>(key: &CtKey<F::A>) -> Option<&'static CtEntry<F::A>> {
+    let out = F::ct_peek().get_ptr_mut(0)?;
+    let e = match F::ct().get_ptr(key) {
+        Some(e) => e,
+        None => F::ct_assured().get_ptr(key)?,
+    };
+    // SAFETY: `out` is this CPU's slot of a per-CPU array (packet programs
+    // never nest on a CPU), `e` a map value pointer valid for this run.
+    unsafe {
+        copy_entry(&mut *out, e);
+        Some(&*out)
+    }
+}
+
+/// Removes `key`'s entry and its assured copy.
+#[inline(always)]
+pub fn remove<F: Family>(key: &CtKey<F::A>) {
+    let _ = F::ct_assured().remove(key);
+    if F::ct().remove(key).is_ok() {
+        crate::stats::count_flow(FlowStat::CtRemoved);
+    }
+}
+
+/// Writes a new entry into the LRU, counted (what the LRU evicted is told
+/// from these counts: see `FlowStat::CtInserted`). An entry that replaces
+/// whatever the key held (`BPF_ANY`) drops that one's assured copy too,
+/// which would otherwise come back if the new entry were evicted.
+#[inline(always)]
+fn insert<F: Family>(key: &CtKey<F::A>, e: &CtEntry<F::A>, flags: u32) -> Result<(), ()> {
+    if flags == BPF_ANY {
+        let _ = F::ct_assured().remove(key);
+    }
+    F::ct().insert(key, e, flags as u64).map_err(|_| ())?;
+    crate::stats::count_flow(FlowStat::CtInserted);
+    Ok(())
+}
+
+/// The live entry for `key` in the LRU, if any (expired entries are
+/// ignored: the LRU reclaims them, the agent collects their assured
+/// copies). Where an assured flow must not be missed because the LRU
+/// evicted its entry, [`lookup_restoring`].
 #[inline(always)]
 pub fn lookup<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, now: u64) -> Option<*mut CtEntry<F::A>> {
-    let e = F::ct().get_ptr_mut(key)?;
+    live(cfg, key, F::ct().get_ptr_mut(key)?, now)
+}
+
+/// [`lookup`], restoring an assured flow's evicted entry from its copy:
+/// for the lookups that tell an established flow from a new one (the
+/// packet path's, each direction). Not everywhere: each call site costs
+/// the verifier the restore's paths again.
+#[inline(always)]
+pub fn lookup_restoring<F: Family>(
+    cfg: &DpConfig,
+    key: &CtKey<F::A>,
+    now: u64,
+) -> Option<*mut CtEntry<F::A>> {
+    live(cfg, key, get::<F>(key)?, now)
+}
+
+#[inline(always)]
+fn live<A: Addr>(cfg: &DpConfig, key: &CtKey<A>, e: *mut CtEntry<A>, now: u64) -> Option<*mut CtEntry<A>> {
     // SAFETY: a map value pointer, valid for the program's run.
     if expired(cfg, key.proto, unsafe { &*e }, now) {
         return None;
@@ -126,10 +206,29 @@ pub fn lookup<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, now: u64) -> Option<
 pub fn touch<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp_flags: u8) {
     // SAFETY: a map value pointer, valid for this run; plain reads.
     let (last, flags, replied) = unsafe { ((*e).last_seen_ns, (*e).flags, (*e).state[state::REPLIED]) };
-    let teardown = key.proto == proto::TCP && tcp_flags & (TCP_FIN | TCP_RST) != 0;
+    let tcp = key.proto == proto::TCP;
+    let teardown = tcp && tcp_flags & (TCP_FIN | TCP_RST) != 0;
     let first_reply = flags & ct_flags::ROLE_MASK != ct_flags::FWD_IN && replied == 0;
-    if teardown || first_reply || now.saturating_sub(last) > NS_PER_S {
+    let refresh = now.saturating_sub(last) > NS_PER_S;
+    // Assured now (see `dataplane_common::ct::assured`): the TCP
+    // handshake's last ACK (the client's first segment after a reply that
+    // is not a SYN, FIN or RST), a UDP or SCTP flow answered and still
+    // flowing after a second.
+    let assured_now = flags & ct_flags::ASSURED == 0
+        && replied != 0
+        && if tcp {
+            flags & ct_flags::ROLE_MASK == ct_flags::FWD_IN && tcp_flags & (TCP_SYN | TCP_FIN | TCP_RST) == 0
+        } else {
+            refresh
+        };
+    if teardown || first_reply || assured_now || refresh {
         touch_flow::<F>(key, e, now, tcp_flags);
+        // An assured flow's copies follow its entries (its state, and its
+        // last packet to within the second, which the agent's collector
+        // reads).
+        if assured_now || flags & ct_flags::ASSURED != 0 {
+            assure::<F>(key, e);
+        }
     }
 }
 
@@ -199,6 +298,90 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
         {
             update(sub, 0, true, now);
         }
+    }
+}
+
+/// Assures the flow of `e` (keyed `key`), assured now or before: each of
+/// its entries in the LRU (`e`, the other state entry, the explicit
+/// sub-entries of both) gets its copy, or its copy is brought up to date.
+/// A sibling of `touch_flow`, not inside it: there its frame added up with
+/// the egress path's past the stack's 512 bytes.
+#[inline(never)]
+fn assure<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>) {
+    let Some(s) = scratch::<F>() else {
+        return;
+    };
+    copy_entry(&mut s.a, e);
+    // A flow closing before it was assured stays unprotected.
+    if s.a.flags & ct_flags::ASSURED == 0
+        && (s.a.has(state::FIN_FWD) || s.a.has(state::FIN_REP) || s.a.has(state::RST))
+    {
+        return;
+    }
+    s.key = CtKey::new(
+        s.a.nat_daddr,
+        s.a.nat_saddr,
+        s.a.nat_dport,
+        s.a.nat_sport,
+        key.proto,
+    );
+    if let Some(o) = F::ct().get_ptr_mut(&s.key)
+        // SAFETY: a map value pointer, valid for this run.
+        && translates_to(unsafe { &*o }, &key.daddr, key.dport, &key.saddr, key.sport)
+    {
+        assure_entry::<F>(s, o);
+    }
+    s.key = *key;
+    assure_entry::<F>(s, e);
+}
+
+/// Assures the entry at `s.key` (`e`) and, if it has one, its explicit
+/// sub-entry (`FWD_OUT` from `FWD_IN`, `REP_OUT` from `REP_IN`: keyed by
+/// the entry's source towards its translated destination, holding the
+/// same translated tuple).
+#[inline(always)]
+fn assure_entry<F: Family>(s: &mut CtScratch<F::A>, e: *mut CtEntry<F::A>) {
+    promote_entry::<F>(s, e);
+    // `promote_entry` left its copy of `e` in `s.b`.
+    if s.b.flags & ct_flags::EXPLICIT == 0 {
+        return;
+    }
+    s.key = CtKey::new(
+        s.key.saddr,
+        s.b.nat_daddr,
+        s.key.sport,
+        s.b.nat_dport,
+        s.key.proto,
+    );
+    if let Some(sub) = F::ct().get_ptr_mut(&s.key)
+        // SAFETY: a map value pointer, valid for this run.
+        && translates_to(unsafe { &*sub }, &s.b.nat_saddr, s.b.nat_sport, &s.b.nat_daddr, s.b.nat_dport)
+    {
+        promote_entry::<F>(s, sub);
+    }
+}
+
+/// Copies the entry at `s.key` (`e`) into the assured table, which never
+/// evicts, marked assured, leaving the copy in `s.b`; the first time, marks
+/// the entry itself assured (counted `ct_assured`). A full assured table
+/// leaves a new one unmarked, counted (`ct_assured_table_full`): it keeps
+/// working, unprotected.
+#[inline(never)]
+fn promote_entry<F: Family>(s: &mut CtScratch<F::A>, e: *mut CtEntry<F::A>) {
+    copy_entry(&mut s.b, e);
+    let new = s.b.flags & ct_flags::ASSURED == 0;
+    s.b.flags |= ct_flags::ASSURED;
+    if F::ct_assured().insert(&s.key, &s.b, BPF_ANY as u64).is_err() {
+        if new {
+            crate::stats::count_flow(FlowStat::CtAssuredFull);
+        }
+        return;
+    }
+    if new {
+        // SAFETY: a map value pointer valid for this run; the flags byte is
+        // written alone (other CPUs write other bytes, or this same value).
+        unsafe { core::ptr::addr_of_mut!((*e).flags).write_volatile(s.b.flags) };
+        crate::stats::count_flow(FlowStat::CtAssured);
     }
 }
 
@@ -303,7 +486,7 @@ pub fn create<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>,
         t.proto,
     );
     if !choice.snat {
-        if F::ct().insert(&s.key, &s.b, BPF_ANY as u64).is_err() {
+        if insert::<F>(&s.key, &s.b, BPF_ANY).is_err() {
             return Event::DropCtFull;
         }
     } else {
@@ -316,7 +499,7 @@ pub fn create<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>,
             // REP_OUT (backend → client), translating like REP_IN...
             s.b.flags = ct_flags::REP_OUT | ct_flags::SNAT | ct_flags::EXPLICIT;
             s.b.state[state::REPLIED] = 1;
-            if F::ct().insert(&s.key, &s.b, BPF_ANY as u64).is_err() {
+            if insert::<F>(&s.key, &s.b, BPF_ANY).is_err() {
                 return Event::DropCtFull;
             }
             // ... and FWD_OUT (client → backend), translating like FWD_IN.
@@ -327,14 +510,14 @@ pub fn create<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F::A>,
             };
             s.a.flags = ct_flags::FWD_OUT | ct_flags::SNAT | ct_flags::EXPLICIT;
             s.a.state[state::REPLIED] = 1;
-            if F::ct().insert(&s.key, &s.a, BPF_ANY as u64).is_err() {
+            if insert::<F>(&s.key, &s.a, BPF_ANY).is_err() {
                 return Event::DropCtFull;
             }
             s.a.state[state::REPLIED] = 0;
         }
         s.a.flags = ct_flags::FWD_IN | ct_flags::SNAT | if choice.explicit { ct_flags::EXPLICIT } else { 0 };
     }
-    if F::ct().insert(t, &s.a, BPF_ANY as u64).is_err() {
+    if insert::<F>(t, &s.a, BPF_ANY).is_err() {
         return Event::DropCtFull;
     }
     Event::NewFlow
@@ -350,7 +533,7 @@ pub fn create_dsr<F: Family>(t: &CtKey<F::A>, choice: &Choice<F::A>, now: u64) -
     };
     entries(s, t, choice, now);
     s.a.flags = ct_flags::FWD_IN | ct_flags::DSR;
-    if F::ct().insert(t, &s.a, BPF_ANY as u64).is_err() {
+    if insert::<F>(t, &s.a, BPF_ANY).is_err() {
         return Event::DropCtFull;
     }
     Event::NewFlow
@@ -379,6 +562,17 @@ pub fn touch_dsr<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, 
     if news != 0 || refresh {
         update(e, news, refresh, now);
     }
+    // Answered, not closing: assured (its one entry); once assured, its
+    // copy follows it.
+    let assured_now =
+        news & (1 << state::REPLIED) != 0 && news & (1 << state::RST | 1 << state::FIN_FWD) == 0;
+    let follow = flags & ct_flags::ASSURED != 0 && (news != 0 || refresh);
+    if (assured_now || follow)
+        && let Some(s) = scratch::<F>()
+    {
+        s.key = *key;
+        promote_entry::<F>(s, e);
+    }
 }
 
 /// Makes room for a new flow `t` to `choice`'s backend, or returns
@@ -401,7 +595,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
     // A flow kept unmasqueraded (its owner) or masqueraded with an explicit
     // port: a REP_OUT keyed backend → client.
     s.key = CtKey::new(backend, t.saddr, backend_port, t.sport, t.proto);
-    if let Some(e) = F::ct().get_ptr(&s.key) {
+    if let Some(e) = peek::<F>(&s.key) {
         copy_entry(&mut s.a, e);
         if s.a.role() == ct_flags::REP_OUT && !expired(cfg, t.proto, &s.a, now) {
             let explicit = s.a.flags & ct_flags::EXPLICIT != 0;
@@ -409,11 +603,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
             // (keyed by the reverse of the translated tuple).
             let live = if explicit {
                 s.key = s.a.nat_key(t.proto).reversed();
-                match F::ct().get_ptr(&s.key) {
-                    // SAFETY: as above.
-                    Some(f) => !reusable(cfg, t.proto, &unsafe { *f }, now),
-                    None => false,
-                }
+                peek::<F>(&s.key).is_some_and(|f| !reusable(cfg, t.proto, f, now))
             } else {
                 !reusable(cfg, t.proto, &s.a, now)
             };
@@ -421,7 +611,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
                 return Event::DropTupleClash;
             }
             s.key = CtKey::new(backend, t.saddr, backend_port, t.sport, t.proto);
-            let _ = F::ct().remove(&s.key);
+            remove::<F>(&s.key);
             if explicit {
                 // Its FWD_OUT: client → backend.
                 s.key = CtKey {
@@ -429,7 +619,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
                     dport: backend_port,
                     ..*t
                 };
-                let _ = F::ct().remove(&s.key);
+                remove::<F>(&s.key);
             }
             crate::stats::count_flow(FlowStat::TupleTakeover);
         }
@@ -448,7 +638,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
         cfg.snat_port_max,
     );
     s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), t.proto);
-    if let Some(e) = F::ct().get_ptr(&s.key) {
+    if let Some(e) = peek::<F>(&s.key) {
         copy_entry(&mut s.a, e);
         if s.a.role() == ct_flags::REP_IN
             && s.a.nat_daddr == t.saddr
@@ -458,7 +648,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
             if !reusable(cfg, t.proto, &s.a, now) && !same_frontend(&s.a, t) {
                 return Event::DropTupleClash;
             }
-            let _ = F::ct().remove(&s.key);
+            remove::<F>(&s.key);
             crate::stats::count_flow(FlowStat::TupleTakeover);
         }
     }
@@ -492,33 +682,30 @@ pub fn claim<F: Family>(
 ) -> Claim {
     // Look before inserting: an insert that fails on an existing key costs
     // the LRU a node taken and given back, several times a lookup.
-    let taken = match F::ct().get_ptr(key) {
-        Some(old) => {
-            // SAFETY: a map value pointer; copied once.
-            let old = unsafe { *old };
-            let free = reusable(cfg, key.proto, &old, now);
-            let tuple = flow.filter(|t| {
-                old.role() == ct_flags::REP_IN
-                    && old.nat_daddr == t.saddr
-                    && old.nat_dport == t.sport
-                    && !expired(cfg, key.proto, &old, now)
-            });
-            match tuple {
-                Some(t) if !free && !same_frontend(&old, t) => return Claim::Clash,
-                None if !free => return Claim::Busy,
-                _ => {}
-            }
-            let _ = F::ct().remove(key);
-            if tuple.is_some() {
-                Claim::TupleTakenOver
-            } else {
-                Claim::TakenOver
-            }
+    let taken = if let Some(old) = peek::<F>(key) {
+        let free = reusable(cfg, key.proto, old, now);
+        let tuple = flow.filter(|t| {
+            old.role() == ct_flags::REP_IN
+                && old.nat_daddr == t.saddr
+                && old.nat_dport == t.sport
+                && !expired(cfg, key.proto, old, now)
+        });
+        match tuple {
+            Some(t) if !free && !same_frontend(old, t) => return Claim::Clash,
+            None if !free => return Claim::Busy,
+            _ => {}
         }
-        None => Claim::Free,
+        remove::<F>(key);
+        if tuple.is_some() {
+            Claim::TupleTakenOver
+        } else {
+            Claim::TakenOver
+        }
+    } else {
+        Claim::Free
     };
     // BPF_NOEXIST: of CPUs racing for a free key, exactly one wins.
-    if F::ct().insert(key, value, BPF_NOEXIST as u64).is_err() {
+    if insert::<F>(key, value, BPF_NOEXIST).is_err() {
         return Claim::Busy;
     }
     taken

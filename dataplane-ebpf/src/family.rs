@@ -17,8 +17,9 @@ use dataplane_common::{
 use crate::{
     ctx::Ctx,
     maps::{
-        AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CT_SCRATCH4, CT_SCRATCH6, CT4, CT6, CtScratch, DSR4, DSR6,
-        SERVICES, SERVICES6, SOURCE_RANGES, SOURCE_RANGES6,
+        AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CT_PEEK4, CT_PEEK6, CT_SCRATCH4, CT_SCRATCH6, CT4,
+        CT4_ASSURED, CT6, CT6_ASSURED, CtScratch, DSR4, DSR6, SERVICES, SERVICES6, SOURCE_RANGES,
+        SOURCE_RANGES6,
     },
     parse::{Parsed, Pkt, parse4, parse6},
 };
@@ -45,8 +46,12 @@ pub trait Family: 'static {
     /// anything but a packet we may translate comes back as `Err`.
     fn parse<C: Ctx>(ctx: &C, l3: usize) -> Result<Pkt<Self::A>, Parsed>;
 
+    /// Conntrack (LRU).
     fn ct() -> &'static LruHashMap<CtKey<Self::A>, CtEntry<Self::A>>;
+    /// Copies of assured flows' entries (never evicts).
+    fn ct_assured() -> &'static HashMap<CtKey<Self::A>, CtEntry<Self::A>>;
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::A>>;
+    fn ct_peek() -> &'static PerCpuArray<CtEntry<Self::A>>;
     fn services() -> &'static HashMap<LbServiceKey<Self::A>, Lb4Service>;
     fn backends() -> &'static Array<LbBackend<Self::A>>;
     fn affinity() -> &'static LruHashMap<AffinityKey<Self::A>, Lb4AffinityValue>;
@@ -86,8 +91,16 @@ impl Family for V4 {
         &CT4
     }
     #[inline(always)]
+    fn ct_assured() -> &'static HashMap<CtKey<u32>, CtEntry<u32>> {
+        &CT4_ASSURED
+    }
+    #[inline(always)]
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<u32>> {
         &CT_SCRATCH4
+    }
+    #[inline(always)]
+    fn ct_peek() -> &'static PerCpuArray<CtEntry<u32>> {
+        &CT_PEEK4
     }
     #[inline(always)]
     fn services() -> &'static HashMap<LbServiceKey<u32>, Lb4Service> {
@@ -149,8 +162,16 @@ impl Family for V6 {
         &CT6
     }
     #[inline(always)]
+    fn ct_assured() -> &'static HashMap<CtKey<Ip6>, CtEntry<Ip6>> {
+        &CT6_ASSURED
+    }
+    #[inline(always)]
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Ip6>> {
         &CT_SCRATCH6
+    }
+    #[inline(always)]
+    fn ct_peek() -> &'static PerCpuArray<CtEntry<Ip6>> {
+        &CT_PEEK6
     }
     #[inline(always)]
     fn services() -> &'static HashMap<LbServiceKey<Ip6>, Lb4Service> {

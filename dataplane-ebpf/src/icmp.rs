@@ -211,13 +211,13 @@ fn flow_of<F: Family>(cfg: &DpConfig, q: &CtKey<F::A>, now: u64) -> Option<(CtEn
     }
     // Hashed SNAT flows: `q` forwarded from the client (backend's REP_IN
     // names the client) ...
-    let as_forward = hashed_rep_in::<F>(cfg, q.daddr, q.dport, q.saddr, q.sport, q.proto, now);
+    let as_forward = hashed_rep_in::<F, false>(cfg, q.daddr, q.dport, q.saddr, q.sport, q.proto, now);
     if let Some(e) = as_forward {
         // SAFETY: a map value pointer; copied.
         return Some((unsafe { *e }, true));
     }
     // ... or a reply after un-SNAT: its quote becomes REP_IN's key.
-    let e = hashed_rep_in::<F>(cfg, q.saddr, q.sport, q.daddr, q.dport, q.proto, now)?;
+    let e = hashed_rep_in::<F, false>(cfg, q.saddr, q.sport, q.daddr, q.dport, q.proto, now)?;
     // SAFETY: as above.
     let e = unsafe { *e };
     let port = snat_port_hash(
@@ -241,9 +241,11 @@ fn flow_of<F: Family>(cfg: &DpConfig, q: &CtKey<F::A>, now: u64) -> Option<(CtEn
 }
 
 /// A hashed SNAT flow's `REP_IN` entry between `backend` and `client` (its
-/// key is built in the scratch space).
+/// key is built in the scratch space); with `RESTORE`, put back from its
+/// assured copy if the LRU evicted it (`ct::lookup_restoring`: the packet
+/// path's lookups, not the ICMP errors').
 #[inline(always)]
-pub fn hashed_rep_in<F: Family>(
+pub fn hashed_rep_in<F: Family, const RESTORE: bool>(
     cfg: &DpConfig,
     backend: F::A,
     backend_port: u16,
@@ -261,7 +263,11 @@ pub fn hashed_rep_in<F: Family>(
     );
     let s = ct::scratch::<F>()?;
     s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), proto);
-    let e = ct::lookup::<F>(cfg, &s.key, now)?;
+    let e = if RESTORE {
+        ct::lookup_restoring::<F>(cfg, &s.key, now)?
+    } else {
+        ct::lookup::<F>(cfg, &s.key, now)?
+    };
     // SAFETY: a map value pointer, valid for this run.
     let en = unsafe { &*e };
     (en.role() == ct_flags::REP_IN && en.nat_daddr == client && en.nat_dport == client_port).then_some(e)

@@ -49,8 +49,17 @@ pub static AFFINITY: LruHashMap<Lb4AffinityKey, Lb4AffinityValue> =
 pub static SOURCE_RANGES: LpmTrie<Lb4SourceRangeData, u8> =
     LpmTrie::with_max_entries(limits::SOURCE_RANGE_ENTRIES, 0);
 
+/// Conntrack: an LRU, which a flood of new flows evicts from.
 #[map(name = "CT4_V2")]
 pub static CT4: LruHashMap<Ct4Key, Ct4Entry> = LruHashMap::with_max_entries(limits::CT_ENTRIES, 0);
+
+/// Copies of assured flows' entries (`dataplane_common::ct::assured`),
+/// restored into `CT4` when it evicted them: a hash map, which never
+/// evicts (a full one refuses, and the flow goes unprotected); the agent
+/// collects its expired copies. Not preallocated: it costs what it holds.
+#[map(name = "CT4_ASSURED_V1")]
+pub static CT4_ASSURED: HashMap<Ct4Key, Ct4Entry> =
+    HashMap::with_max_entries(limits::CT_ENTRIES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
 
 /// Per CPU and backend id: the SNAT port search's state.
 #[map(name = "DP_SNAT_CURSORS_V2")]
@@ -117,6 +126,10 @@ pub static SOURCE_RANGES6: LpmTrie<Lb6SourceRangeData, u8> =
 #[map(name = "CT6_V1")]
 pub static CT6: LruHashMap<Ct6Key, Ct6Entry> = LruHashMap::with_max_entries(limits::CT_ENTRIES, 0);
 
+#[map(name = "CT6_ASSURED_V1")]
+pub static CT6_ASSURED: HashMap<Ct6Key, Ct6Entry> =
+    HashMap::with_max_entries(limits::CT_ENTRIES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
+
 #[map(name = "SOCK6_REVNAT_V1")]
 pub static SOCK_REVNAT6: LruHashMap<Sock6RevKey, Sock6RevValue> =
     LruHashMap::with_max_entries(limits::SOCK_REVNAT_ENTRIES, 0);
@@ -175,6 +188,15 @@ pub static CT_SCRATCH4: PerCpuArray<CtScratch<u32>> = PerCpuArray::with_max_entr
 #[map(name = "DP_CT_SCRATCH6")]
 pub static CT_SCRATCH6: PerCpuArray<CtScratch<dataplane_common::addr::Ip6>> =
     PerCpuArray::with_max_entries(1, 0);
+
+/// This CPU's copy of the conntrack entry `ct::peek` read, from either
+/// conntrack table: its callers see one kind of pointer (off the stack,
+/// which the SNAT port search's frames fill).
+#[map(name = "DP_CT_PEEK4")]
+pub static CT_PEEK4: PerCpuArray<CtEntry<u32>> = PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "DP_CT_PEEK6")]
+pub static CT_PEEK6: PerCpuArray<CtEntry<dataplane_common::addr::Ip6>> = PerCpuArray::with_max_entries(1, 0);
 
 /// This CPU's space for building an ICMP reject (`icmp::reject`), off the
 /// BPF stack: the entry point's frame and the builder's add up.

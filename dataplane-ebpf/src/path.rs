@@ -27,7 +27,7 @@ use crate::{
     flow::{self, Action, Choice},
     icmp,
     maps::{CONFIG, forward},
-    parse::{Kind, Parsed, Pkt, kind},
+    parse::{Kind, Parsed, Pkt, TCP_SYN, kind},
     route, snat, stats, unaligned,
 };
 
@@ -334,7 +334,7 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
         return Step::done(C::PASS, Event::Pass);
     }
     let now = ct::now_inline();
-    if let Some(e) = ct::lookup::<F>(cfg, t, now) {
+    if let Some(e) = ct::lookup_restoring::<F>(cfg, t, now) {
         // SAFETY: a map value pointer, valid for this run. The fields the
         // path needs are copied out; no reference outlives this block (touch
         // writes through `e` below).
@@ -450,6 +450,7 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, extern
     }
     if event == Event::NewFlow {
         event = ct::create::<F>(cfg, &pkt.tuple, choice, now);
+        count_midstream(pkt, event);
     }
     match flow::action(event) {
         // DNAT to the backend chosen.
@@ -479,6 +480,15 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, extern
     }
 }
 
+/// Counts a new TCP flow its first packet shows to be an old one (not a
+/// SYN): its entries were evicted, expired or collected.
+#[inline(always)]
+fn count_midstream<A: Addr>(pkt: &Pkt<A>, event: Event) {
+    if event == Event::NewFlow && pkt.tuple.proto == proto::TCP && pkt.tcp_flags & TCP_SYN == 0 {
+        stats::count_flow(FlowStat::CtMidstream);
+    }
+}
+
 /// A new DSR flow: its entry (the only one on this node), then the packet
 /// goes to the backend's node (`dsr::encap`, from the entry point).
 #[inline(always)]
@@ -487,6 +497,7 @@ fn dsr_new_flow<C: Ctx, F: Family>(cfg: &DpConfig, pkt: &Pkt<F::A>, choice: &Cho
     if event != Event::NewFlow {
         return Step::done(C::DROP, event);
     }
+    count_midstream(pkt, event);
     let _ = cfg;
     stats::count_service(choice.service_id, pkt.tot_len as u64);
     route::leave_always(forward::ENCAP, &choice.backend.address, choice.backend.port);
@@ -587,7 +598,8 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit
     // A masqueraded flow with its hashed port: found through its REP_IN
     // entry, from the packet alone. Forward: source → node : port (it
     // counted for its service where it entered).
-    if to_backend && icmp::hashed_rep_in::<F>(cfg, t.daddr, t.dport, t.saddr, t.sport, t.proto, now).is_some()
+    if to_backend
+        && icmp::hashed_rep_in::<F, true>(cfg, t.daddr, t.dport, t.saddr, t.sport, t.proto, now).is_some()
     {
         let port = snat_port_hash(
             t.saddr,
@@ -603,7 +615,7 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit
     }
     // Reply: source → frontend.
     if from_backend
-        && let Some(e) = icmp::hashed_rep_in::<F>(cfg, t.saddr, t.sport, t.daddr, t.dport, t.proto, now)
+        && let Some(e) = icmp::hashed_rep_in::<F, true>(cfg, t.saddr, t.sport, t.daddr, t.dport, t.proto, now)
     {
         // SAFETY: a map value pointer, valid for this run; fields copied.
         let (saddr, sport) = unsafe { ((*e).nat_saddr, (*e).nat_sport) };
@@ -614,7 +626,7 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit
     }
     // Explicit entries: REP_OUT (flows kept unmasqueraded, and masqueraded
     // ones with another port) and FWD_OUT.
-    let Some(e) = ct::lookup::<F>(cfg, t, now) else {
+    let Some(e) = ct::lookup_restoring::<F>(cfg, t, now) else {
         return Step::done(C::PASS, Event::Pass);
     };
     // SAFETY: a map value pointer, valid for this run. The fields needed

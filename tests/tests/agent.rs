@@ -490,6 +490,107 @@ fn pods_that_appear_after_the_agent_started_reach_services() {
 /// Asserts that node `agent`'s datapath dropped nothing (a dropped SYN is
 /// retransmitted after 1 s, within the clients' timeouts: a connection that
 /// "worked" may still have lost its first packet); returns `inspect stats`.
+/// A flood of new flows that fills conntrack (each agent's LRU holds
+/// 16384 entries) breaks no established connection: 20 idle connections
+/// through a masqueraded NodePort with three endpoints, then three times
+/// the table in new UDP flows (three datagrams each, a new source port
+/// every flow) to an eTP=Local UDP NodePort on the same node; afterwards every
+/// connection answers, from its backend, seen from its SNAT address and
+/// port, as netfilter keeps assured connections through a full table.
+#[test]
+fn a_flood_that_fills_conntrack_breaks_no_established_connection() {
+    const FLOOD_PORT: u16 = 30053;
+    const FLOWS: u16 = 3 * 16384 / 2;
+    let s = Sandbox::new(|c| {
+        let eps: Vec<Ep> = ["a", "b", "c"]
+            .iter()
+            .map(|p| Ep::ready(c.pod(p).ip, &c.nodes[c.pod(p).node].name))
+            .collect();
+        let web = service_yaml(
+            "web",
+            "  type: NodePort\n  clusterIP: 10.96.0.21\n",
+            80,
+            Some(NODE_PORT),
+            TARGET,
+            &eps,
+        );
+        // eTP=Local (pod a is on node 1): not masqueraded, so the flood
+        // fills conntrack without exhausting SNAT ports.
+        let local = "  type: NodePort\n  clusterIP: 10.96.0.22\n  externalTrafficPolicy: Local\n";
+        let flood = service_yaml("flood", local, 53, Some(FLOOD_PORT), 5353, &eps)
+            .replace("protocol: TCP", "protocol: UDP");
+        format!("{web}---\n{flood}")
+    });
+    let dst = s.node_port(0);
+    s.eventually("the NodePort is served", || {
+        tcp_request(&s.cluster.client.ns, dst, "x").is_ok()
+    });
+    let mut conns: Vec<(TcpClient, String, std::net::SocketAddr)> = (0..20)
+        .map(|i| {
+            let mut c = TcpClient::connect(&s.cluster.client.ns, dst)
+                .unwrap_or_else(|e| panic!("connection {i}: {e}\n{}", s.logs()));
+            let r = c.request("hello").unwrap();
+            (c, r.server, r.peer)
+        })
+        .collect();
+    let servers: BTreeSet<&str> = conns.iter().map(|(_, s, _)| s.as_str()).collect();
+    assert!(servers.len() > 1, "several backends in use: {servers:?}");
+
+    // The flood, from the client: nobody listens on the pods' port 5353
+    // (their ICMP errors go back through the datapath too).
+    let flood_dst = SocketAddrV4::new(s.cluster.nodes[0].ip(), FLOOD_PORT);
+    s.cluster.client.ns.run(|| {
+        for i in 0..FLOWS {
+            let sock = std::net::UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 10_000 + i))
+                .unwrap_or_else(|e| panic!("bind port {}: {e}", 10_000 + i));
+            for _ in 0..3 {
+                sock.send_to(b"flood", flood_dst).unwrap();
+            }
+        }
+    });
+    let stats = inspect(&s, 0, &["stats"]);
+    let flows = &stats["flows"];
+    let count = |name: &str| {
+        flows
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|f| f["stat"] == name)
+            .and_then(|f| f["count"].as_u64())
+            .unwrap_or(0)
+    };
+    assert!(
+        count("ct_inserted") >= 2 * FLOWS as u64,
+        "the flood's flows went through conntrack: {flows}"
+    );
+
+    for (i, (c, server, peer)) in conns.iter_mut().enumerate() {
+        let r = c
+            .request("after the flood")
+            .unwrap_or_else(|e| panic!("connection {i} after the flood: {e}\n{flows}\n{}", s.logs()));
+        assert_eq!(
+            (&r.server, r.peer),
+            (&*server, *peer),
+            "connection {i}: same backend, same SNAT address and port"
+        );
+    }
+    let after = inspect(&s, 0, &["stats"]);
+    let restored = after["flows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["stat"] == "ct_restored")
+        .and_then(|f| f["count"].as_u64())
+        .unwrap_or(0);
+    assert!(
+        restored > 0,
+        "the flood evicted established entries, restored: {}",
+        after["flows"]
+    );
+    assert_eq!(count("ct_midstream_pickup"), 0, "no connection picked up anew");
+    assert_no_drops(&s, 0);
+}
+
 fn assert_no_drops(s: &Sandbox, agent: usize) -> serde_json::Value {
     let stats = inspect(s, agent, &["stats"]);
     let drops: Vec<&serde_json::Value> = stats["events"]

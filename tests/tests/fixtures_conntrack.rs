@@ -1,19 +1,33 @@
-//! Connection tracking under pressure, through BPF_PROG_TEST_RUN: the work a
-//! new flow costs when its backend's SNAT ports are exhausted stays bounded.
+//! Connection tracking under pressure, through BPF_PROG_TEST_RUN: a flood
+//! of new flows that fills conntrack leaves established connections alone
+//! (their entries have copies in a table that never evicts, put back when
+//! the LRU evicted them), expired copies are collected, and the work a new
+//! flow costs when its backend's SNAT ports are exhausted stays bounded.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 
-use dataplane_agent::net::Protocol;
-use dataplane_common::stats::{Event, FlowStat};
+use dataplane_agent::{
+    dataplane::{Datapath, clock::monotonic_ns, family::CtTable},
+    net::Protocol,
+};
+use dataplane_common::{
+    ct::ct_flags,
+    names,
+    stats::{Event, FlowStat, Hook},
+};
 use dataplane_tests::{
     fixture::{XDP, flow_stat, run_as},
-    packet::{Frame, TCP_SYN},
+    packet::{Frame, TCP_ACK, TCP_FIN, TCP_SYN, parse_and_verify},
     services::{TestEndpoint, TestService},
-    testrun::fixture_datapath_configured,
+    testrun::{self, fixture_datapath_configured},
 };
 
 const NODE: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 10);
+const POD2: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 11);
+const LOCAL_POD: Ipv4Addr = Ipv4Addr::new(10, 244, 1, 10);
+/// The fixtures' conntrack tables: 4096 entries each.
+const CT_ENTRIES: usize = 4096;
 
 fn sa(ip: impl Into<IpAddr>, port: u16) -> SocketAddr {
     SocketAddr::new(ip.into(), port)
@@ -78,4 +92,279 @@ fn snat_exhaustion_costs_a_bounded_search() {
         flow_stat(&dp, FlowStat::SnatPortsBusy) > busy,
         "searched again after the backoff"
     );
+}
+
+/// The services of the flood tests: a masqueraded NodePort with two remote
+/// endpoints (the established connections), a UDP NodePort with
+/// externalTrafficPolicy Local and a local endpoint (the flood).
+fn flood_datapath() -> Datapath {
+    let web = TestService::new(1, "web", Protocol::Tcp, 80)
+        .node_port(30080)
+        .endpoint(TestEndpoint::ready(POD, 8080, 1))
+        .endpoint(TestEndpoint::ready(POD2, 8080, 1));
+    let dns = TestService::new(2, "dns", Protocol::Udp, 53)
+        .node_port(30053)
+        .external_local()
+        .endpoint(TestEndpoint::ready(LOCAL_POD, 5353, 0));
+    fixture_datapath_configured(&[NODE.into()], &[web, dns], |_| {})
+}
+
+/// An open connection through the fixtures' datapath: the client, the
+/// backend it was balanced to and the source the backend sees.
+struct Conn {
+    client: SocketAddr,
+    backend: SocketAddr,
+    seen_as: SocketAddr,
+}
+
+fn egress(dp: &Datapath, frame: &[u8]) -> Vec<u8> {
+    let (v, out, _) = testrun::run(dp.tc(names::TC_EGRESS).unwrap(), frame, 1);
+    assert_eq!(v, 0, "TC_ACT_OK");
+    out
+}
+
+/// Ingress then egress, as a packet crossing the node: (verdict, frame out).
+fn through(dp: &Datapath, frame: &[u8]) -> (u32, Vec<u8>) {
+    let (v, out) = run_as(dp, XDP, frame);
+    (v, if v == XDP.pass { egress(dp, &out) } else { out })
+}
+
+/// The TCP handshake of `client` with the NodePort, through ingress and
+/// egress both ways.
+fn connect(dp: &Datapath, client: SocketAddr) -> Conn {
+    let frontend = sa(NODE, 30080);
+    let (v, out) = through(dp, &Frame::tcp(client, frontend, TCP_SYN).build());
+    assert_eq!(v, XDP.pass);
+    let o = parse_and_verify(&out);
+    let (backend, seen_as) = (o.dst_addr(), o.src_addr());
+    assert_eq!(seen_as.ip(), IpAddr::from(NODE), "masqueraded");
+    let (_, out) = through(dp, &Frame::tcp(backend, seen_as, TCP_SYN | TCP_ACK).build());
+    let o = parse_and_verify(&out);
+    assert_eq!((o.src_addr(), o.dst_addr()), (frontend, client), "SYN-ACK");
+    let conn = Conn {
+        client,
+        backend,
+        seen_as,
+    };
+    exchange(dp, &conn, "handshake");
+    conn
+}
+
+/// A data segment each way on an open connection: to its backend, from its
+/// source; the answer back to the client from the frontend; both counted
+/// as established.
+fn exchange(dp: &Datapath, c: &Conn, what: &str) {
+    let frontend = sa(NODE, 30080);
+    let established = || {
+        dp.maps()
+            .hook_counter(Hook::XdpIngress, Event::Established)
+            .unwrap()
+            .packets
+    };
+    let before = established();
+    let (v, out) = through(dp, &Frame::tcp(c.client, frontend, TCP_ACK).build());
+    assert_eq!(v, XDP.pass, "{what}");
+    let o = parse_and_verify(&out);
+    assert_eq!(
+        (o.src_addr(), o.dst_addr()),
+        (c.seen_as, c.backend),
+        "{what}: {} kept its backend and source",
+        c.client
+    );
+    assert_eq!(established(), before + 1, "{what}: {} is a known flow", c.client);
+    let (_, out) = through(dp, &Frame::tcp(c.backend, c.seen_as, TCP_ACK).build());
+    let o = parse_and_verify(&out);
+    assert_eq!(
+        (o.src_addr(), o.dst_addr()),
+        (frontend, c.client),
+        "{what}: reply"
+    );
+}
+
+fn client(i: u32, port: u16) -> SocketAddr {
+    sa(Ipv4Addr::from(u32::from(Ipv4Addr::new(203, 0, 113, 0)) + i), port)
+}
+
+/// Entries of the flows of `conns` in each table: (LRU, assured copies).
+fn tables_holding(dp: &Datapath, conns: &[Conn]) -> (usize, usize) {
+    let count = |table| {
+        dp.maps()
+            .v4()
+            .conntrack_table(table)
+            .unwrap()
+            .iter()
+            .filter(|(k, e)| {
+                conns.iter().any(|c| {
+                    let client =
+                        <u32 as dataplane_agent::dataplane::family::AbiAddr>::from_ip(c.client.ip()).unwrap();
+                    (k.saddr == client && k.sport == c.client.port().to_be()) || e.nat_daddr == client
+                })
+            })
+            .count()
+    };
+    (count(CtTable::Lru), count(CtTable::Assured))
+}
+
+/// A flood of new flows, three packets each from a new source every
+/// flow, several times what conntrack holds: the established connections
+/// all keep their backend and their replies, as under netfilter (which
+/// evicts unassured entries first); the LRU evicts their entries among
+/// the flood's, their copies put them back, and the evictions are
+/// counted.
+#[test]
+fn a_flood_that_fills_conntrack_breaks_no_established_connection() {
+    let dp = flood_datapath();
+    let conns: Vec<Conn> = (0..20).map(|i| connect(&dp, client(i, 40_000))).collect();
+    let backends: std::collections::BTreeSet<_> = conns.iter().map(|c| c.backend).collect();
+    assert_eq!(backends.len(), 2, "both endpoints in use");
+    // The handshake's last ACK assured each flow: its two entries (FWD_IN,
+    // the SNAT port's REP_IN) have copies in the assured table.
+    assert_eq!(tables_holding(&dp, &conns), (40, 40));
+    assert_eq!(flow_stat(&dp, FlowStat::CtAssured), 40);
+    for (_, e) in dp.maps().v4().conntrack_table(CtTable::Assured).unwrap() {
+        assert_ne!(e.flags & ct_flags::ASSURED, 0);
+    }
+    // The flood: 3 × the LRU's capacity in flows (two entries each),
+    // three packets apiece, none answered.
+    let flows = (3 * CT_ENTRIES / 2) as u32;
+    for i in 0..flows {
+        let frame = Frame::udp(client(1_000 + i, 5_000), sa(NODE, 30053)).build();
+        for _ in 0..3 {
+            let (v, out) = run_as(&dp, XDP, &frame);
+            assert_eq!(v, XDP.pass);
+            assert_eq!(parse_and_verify(&out).dst_addr(), sa(LOCAL_POD, 5353));
+        }
+    }
+    let lru = dp.maps().v4().conntrack_table(CtTable::Lru).unwrap().len();
+    assert!(lru > CT_ENTRIES * 9 / 10, "the LRU is full: {lru} entries");
+    assert_eq!(flow_stat(&dp, FlowStat::CtAssured), 40, "no flood flow assured");
+    let evicted = dp.maps().ct_evictions().unwrap();
+    assert!(
+        evicted >= (2 * flows as usize - CT_ENTRIES) as u64,
+        "{evicted} evictions counted for {} entries written into {CT_ENTRIES}",
+        2 * flows
+    );
+    // The flood evicted the connections' entries (they were the least
+    // recently used); every connection answers as before, through the same
+    // backend, its entries restored from their copies.
+    let (lru, copies) = tables_holding(&dp, &conns);
+    assert_eq!(copies, 40);
+    assert!(
+        lru < 40,
+        "the flood evicted established entries: {lru} of 40 left"
+    );
+    for c in &conns {
+        exchange(&dp, c, "after the flood");
+    }
+    assert_eq!(tables_holding(&dp, &conns), (40, 40));
+    assert_eq!(flow_stat(&dp, FlowStat::CtRestored), (40 - lru) as u64);
+    assert_eq!(
+        flow_stat(&dp, FlowStat::CtMidstream),
+        0,
+        "no connection picked up anew"
+    );
+    let drops: u64 = Event::ALL
+        .iter()
+        .filter(|e| e.is_drop())
+        .map(|e| dp.maps().hook_counter(Hook::XdpIngress, *e).unwrap().packets)
+        .sum();
+    assert_eq!(drops, 0, "the flood was served, not dropped");
+}
+
+/// A closed connection's copies (a FIN each way) stay in the assured table
+/// until the agent's collector finds them expired (its closed timeout),
+/// while an open one's stay; a new connection on the closed one's tuple
+/// starts anew, not shadowed by the old entries.
+#[test]
+fn expired_established_entries_are_collected_and_never_shadow_a_new_flow() {
+    let mut dp = flood_datapath();
+    let open = connect(&dp, client(1, 40_000));
+    let closed = connect(&dp, client(2, 40_000));
+    let frontend = sa(NODE, 30080);
+    through(
+        &dp,
+        &Frame::tcp(closed.client, frontend, TCP_FIN | TCP_ACK).build(),
+    );
+    through(
+        &dp,
+        &Frame::tcp(closed.backend, closed.seen_as, TCP_FIN | TCP_ACK).build(),
+    );
+    assert_eq!(tables_holding(&dp, std::slice::from_ref(&closed)), (2, 2));
+    let timeouts = dp.maps().config().unwrap().timeouts;
+    let s = 1_000_000_000u64;
+    // Now: nothing expired.
+    assert_eq!(
+        dp.maps_mut().collect_expired_conntrack(monotonic_ns()).unwrap(),
+        (4, 0)
+    );
+    // Past the closed timeout: the closed flow's two entries go.
+    let later = monotonic_ns() + (timeouts.tcp_closed as u64 + 2) * s;
+    assert_eq!(dp.maps_mut().collect_expired_conntrack(later).unwrap(), (2, 2));
+    assert_eq!(flow_stat(&dp, FlowStat::CtCollected), 2);
+    assert_eq!(tables_holding(&dp, std::slice::from_ref(&open)), (2, 2));
+    exchange(&dp, &open, "after the collection");
+
+    // Closed again, not collected: a SYN on its tuple reopens it.
+    let again = connect(&dp, client(3, 40_000));
+    through(
+        &dp,
+        &Frame::tcp(again.client, frontend, TCP_FIN | TCP_ACK).build(),
+    );
+    through(
+        &dp,
+        &Frame::tcp(again.backend, again.seen_as, TCP_FIN | TCP_ACK).build(),
+    );
+    let reopened = connect(&dp, again.client);
+    exchange(&dp, &reopened, "reopened");
+    // The reopened flow's FWD_IN and its copy replaced the closed one's;
+    // the closed flow's REP_IN stays (with its copy) when the new flow went
+    // to the other backend, until its closed timeout.
+    let (lru, copies) = tables_holding(&dp, std::slice::from_ref(&reopened));
+    let stale = usize::from(reopened.backend != again.backend);
+    assert_eq!((lru, copies), (2 + stale, 2 + stale));
+    let later = monotonic_ns() + (timeouts.tcp_closed as u64 + 2) * s;
+    dp.maps_mut().collect_expired_conntrack(later).unwrap();
+    assert_eq!(tables_holding(&dp, std::slice::from_ref(&reopened)).1, 2);
+    exchange(&dp, &reopened, "reopened, after the collection");
+    // Past the established timeout everything goes.
+    let much_later = monotonic_ns() + (timeouts.tcp_established as u64 + 2) * s;
+    let (left, _) = dp.maps_mut().collect_expired_conntrack(much_later).unwrap();
+    assert_eq!(left, 0);
+}
+
+/// UDP flows are assured once answered and still flowing after a second
+/// (netfilter: a stream); an unanswered one is not.
+#[test]
+fn udp_flows_are_assured_once_answered_and_still_flowing() {
+    let dp = flood_datapath();
+    let frontend = sa(NODE, 30053);
+    let answered = client(1, 5_000);
+    let unanswered = client(2, 5_000);
+    let to_pod = |c: SocketAddr| {
+        let (v, out) = run_as(&dp, XDP, &Frame::udp(c, frontend).build());
+        assert_eq!(v, XDP.pass);
+        assert_eq!(parse_and_verify(&out).dst_addr(), sa(LOCAL_POD, 5353));
+    };
+    to_pod(answered);
+    to_pod(unanswered);
+    // The reply, from the local pod (egress restores the frontend).
+    let out = egress(&dp, &Frame::udp(sa(LOCAL_POD, 5353), answered).build());
+    assert_eq!(parse_and_verify(&out).src_addr(), frontend);
+    assert_eq!(flow_stat(&dp, FlowStat::CtAssured), 0, "not before a second");
+    // Entries are refreshed at most once a second: the flow's first refresh
+    // with a reply seen assures it.
+    std::thread::sleep(std::time::Duration::from_millis(1_200));
+    to_pod(answered);
+    to_pod(unanswered);
+    let assured: Vec<_> = dp.maps().v4().conntrack_table(CtTable::Assured).unwrap();
+    assert_eq!(assured.len(), 2, "the answered flow's two entries: {assured:?}");
+    let client_of =
+        |c: SocketAddr| <u32 as dataplane_agent::dataplane::family::AbiAddr>::from_ip(c.ip()).unwrap();
+    assert!(assured.iter().all(|(k, e)| k.saddr == client_of(answered)
+        || e.nat_daddr == client_of(answered)
+        || k.daddr == client_of(answered)));
+    // Both flows still translate.
+    to_pod(answered);
+    let out = egress(&dp, &Frame::udp(sa(LOCAL_POD, 5353), answered).build());
+    assert_eq!(parse_and_verify(&out).src_addr(), frontend);
 }

@@ -26,6 +26,17 @@ pub struct DatapathCounters {
     maps: Mutex<(LbMaps, Option<Instant>)>,
 }
 
+/// Folds a new estimate of conntrack evictions into `m` (the counter never
+/// goes down; the pressure is its rate since the last read, `elapsed` ago).
+fn record_evictions(m: &mut super::metrics::Metrics, estimate: u64, elapsed: Option<Duration>) {
+    let before = m.conntrack_evictions;
+    m.conntrack_evictions = before.max(estimate);
+    m.conntrack_pressure = match elapsed {
+        Some(d) if !d.is_zero() => (m.conntrack_evictions - before) as f64 / d.as_secs_f64(),
+        _ => 0.0,
+    };
+}
+
 impl DatapathCounters {
     /// Opens the maps pinned under `pins` (the running agent's) for reading.
     pub fn open(pins: &Path) -> Result<Self, DatapathError> {
@@ -45,6 +56,7 @@ impl DatapathCounters {
         if last.is_some_and(|t| t.elapsed() < MIN_INTERVAL) {
             return;
         }
+        let elapsed = last.map(|t| t.elapsed());
         *last = Some(Instant::now());
         let mut events = Vec::new();
         for hook in Hook::ALL {
@@ -84,10 +96,33 @@ impl DatapathCounters {
             }
         };
         let occupancy = maps.occupancy();
+        let evictions = maps.ct_evictions();
         let mut m = metrics.lock().expect("metrics");
+        match evictions {
+            Ok(n) => record_evictions(&mut m, n, elapsed),
+            Err(e) => warn!(error = %e, "cannot read the conntrack counters"),
+        }
         m.flow_events = flows;
         m.datapath_events = events;
         m.service_traffic = traffic;
         m.map_occupancy.extend(occupancy);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn evictions_never_decrease_and_their_rate_is_the_pressure() {
+        let mut m = super::super::metrics::Metrics::default();
+        record_evictions(&mut m, 100, None);
+        assert_eq!((m.conntrack_evictions, m.conntrack_pressure), (100, 0.0));
+        record_evictions(&mut m, 300, Some(Duration::from_secs(2)));
+        assert_eq!((m.conntrack_evictions, m.conntrack_pressure), (300, 100.0));
+        // A read skewed low (entries written during the walk) keeps the
+        // count and reads as no pressure.
+        record_evictions(&mut m, 290, Some(Duration::from_secs(1)));
+        assert_eq!((m.conntrack_evictions, m.conntrack_pressure), (300, 0.0));
     }
 }

@@ -54,6 +54,14 @@ pub struct Metrics {
     /// What new flows needed and how packets were forwarded
     /// (`dataplane_common::stats::FlowStat`): name → count.
     pub flow_events: Vec<(&'static str, u64)>,
+    /// Conntrack entries the LRU evicted (estimated: see
+    /// `LbMaps::ct_evictions`), never decreasing.
+    pub conntrack_evictions: u64,
+    /// Of those, per second between the last two reads.
+    pub conntrack_pressure: f64,
+    /// The last sweep of the assured conntrack copies, and the period.
+    pub conntrack_gc_seconds: f64,
+    pub conntrack_gc_interval_seconds: f64,
     /// Pod-facing interfaces the datapath is attached to.
     pub pod_interfaces: u64,
     /// Local endpoints that no attached pod interface leads to.
@@ -81,6 +89,10 @@ impl Default for Metrics {
             datapath_events: Vec::new(),
             service_traffic: Vec::new(),
             flow_events: Vec::new(),
+            conntrack_evictions: 0,
+            conntrack_pressure: 0.0,
+            conntrack_gc_seconds: 0.0,
+            conntrack_gc_interval_seconds: 0.0,
             pod_interfaces: 0,
             unreachable_local_endpoints: 0,
             lb: Default::default(),
@@ -291,6 +303,32 @@ impl Metrics {
             MetricType::Counter,
             self.flow_events.iter().map(|(e, n)| (vec![("event", *e)], *n)),
             const_counter,
+        )?;
+        counter(
+            enc,
+            "dataplane_conntrack_evictions",
+            "Conntrack entries the LRU evicted to make room for new flows (told from the datapath's counts); \
+             assured flows' entries come back from their copies (ct_restored), others are lost",
+            self.conntrack_evictions,
+        )?;
+        gauge(
+            enc,
+            "dataplane_conntrack_pressure",
+            "Conntrack entries evicted per second between the last two reads: above 0, new flows arrive \
+             faster than the table holds flows for their timeouts (a flood, or a table too small)",
+            self.conntrack_pressure,
+        )?;
+        gauge(
+            enc,
+            "dataplane_conntrack_gc_duration_seconds",
+            "How long the last sweep of the assured conntrack copies (collecting expired ones) took",
+            self.conntrack_gc_seconds,
+        )?;
+        gauge(
+            enc,
+            "dataplane_conntrack_gc_interval_seconds",
+            "The period of the sweeps of the assured conntrack copies (adapts to what they find)",
+            self.conntrack_gc_interval_seconds,
         )?;
         family(
             enc,

@@ -4,6 +4,7 @@
 pub mod config;
 pub mod control;
 pub mod counters;
+pub mod ct_gc;
 pub mod feed;
 pub mod health;
 pub mod http;

@@ -254,6 +254,10 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
     // The counters read the maps in their final shape (after the resize).
     let _ = counters
         .set(DatapathCounters::open(&cfg.bpffs_dir).context("opening the pinned maps for the counters")?);
+    // Expired entries of the established conntrack tables (which never
+    // evict) are collected on their own thread.
+    let _conntrack_gc = super::ct_gc::ConntrackGc::start(&cfg.bpffs_dir, metrics.clone())
+        .context("opening the pinned maps for the conntrack collector")?;
     let service_health = ServiceHealthServers::new(&http, health_addr.ip(), health.clone(), cfg.sync_period);
     info!(node = %cfg.node_name, health = %cfg.health_bind_address, metrics = %cfg.metrics_bind_address, "agent running");
     // LoadBalancer address allocation and L2 announcements: their own

@@ -247,7 +247,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             rows.extend(rows6);
             total += total6;
             let occupancy = maps.occupancy();
-            let capacity: u64 = [names::CT4, names::CT6]
+            let capacity: u64 = [names::CT4, names::CT6, names::CT4_ASSURED, names::CT6_ASSURED]
                 .iter()
                 .filter_map(|n| occupancy.get(n))
                 .map(|(_, c)| *c)
@@ -448,7 +448,8 @@ fn conntrack_rows<A: AbiAddr>(
 }
 
 /// An entry's role and its flow's state, as words: `fwd-in`, `fwd-out`,
-/// `rep-in`, `rep-out`; `snat`, `explicit`, `dsr`; `replied`, `fin-fwd`,
+/// `rep-in`, `rep-out`; `snat`, `explicit`, `dsr`, `assured` (in the
+/// established table); `replied`, `fin-fwd`,
 /// `fin-rep`, `rst`.
 pub fn ct_flag_names<A: AbiAddr>(e: &CtEntry<A>) -> Vec<&'static str> {
     let mut f = vec![match e.role() {
@@ -461,6 +462,7 @@ pub fn ct_flag_names<A: AbiAddr>(e: &CtEntry<A>) -> Vec<&'static str> {
         (ct_flags::SNAT, "snat"),
         (ct_flags::EXPLICIT, "explicit"),
         (ct_flags::DSR, "dsr"),
+        (ct_flags::ASSURED, "assured"),
     ] {
         if e.flags & bit != 0 {
             f.push(name);

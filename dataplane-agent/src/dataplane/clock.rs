@@ -77,6 +77,19 @@ impl Clock {
     }
 }
 
+/// CLOCK_MONOTONIC in ns: the datapath's clock, as its entries are
+/// stamped (within a tick).
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec to write; CLOCK_MONOTONIC exists on
+    // every Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * NS_PER_S + ts.tv_nsec as u64
+}
+
 /// (CLOCK_MONOTONIC in ns, jiffies), read together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Sample {

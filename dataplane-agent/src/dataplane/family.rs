@@ -30,6 +30,7 @@ pub trait AbiAddr: Addr + aya::Pod + Send + Sync + 'static {
     const AFFINITY: &'static str;
     const SOURCE_RANGES: &'static str;
     const CT: &'static str;
+    const CT_ASSURED: &'static str;
 
     /// `None` when `ip` is of the other family.
     fn from_ip(ip: IpAddr) -> Option<Self>;
@@ -44,6 +45,7 @@ impl AbiAddr for u32 {
     const AFFINITY: &'static str = names::LB4_AFFINITY;
     const SOURCE_RANGES: &'static str = names::LB4_SOURCE_RANGES;
     const CT: &'static str = names::CT4;
+    const CT_ASSURED: &'static str = names::CT4_ASSURED;
 
     fn from_ip(ip: IpAddr) -> Option<Self> {
         match ip {
@@ -64,6 +66,7 @@ impl AbiAddr for Ip6 {
     const AFFINITY: &'static str = names::LB6_AFFINITY;
     const SOURCE_RANGES: &'static str = names::LB6_SOURCE_RANGES;
     const CT: &'static str = names::CT6;
+    const CT_ASSURED: &'static str = names::CT6_ASSURED;
 
     fn from_ip(ip: IpAddr) -> Option<Self> {
         match ip {
@@ -94,7 +97,12 @@ pub struct FamilyMaps<A: AbiAddr> {
     pub(super) backends: Array<MapData, LbBackend<A>>,
     pub(super) affinity: Map<AffinityKey<A>, Lb4AffinityValue>,
     pub(super) source_ranges: LpmTrie<MapData, SourceRangeData<A>, u8>,
+    /// Conntrack (an LRU).
     pub(super) ct: Map<CtKey<A>, CtEntry<A>>,
+    /// Copies of assured flows' entries (never evicts; expired ones are
+    /// collected by [`FamilyMaps::collect_expired`]).
+    pub(super) ct_assured: Map<CtKey<A>, CtEntry<A>>,
+    /// Of each conntrack table.
     pub(super) ct_capacity: u32,
     pub(super) affinity_capacity: u32,
     pub(super) service_entries_capacity: u32,
@@ -121,38 +129,96 @@ impl<A: AbiAddr> FamilyMaps<A> {
         IterableMap::<AffinityKey<A>, _>::map(&self.affinity).fd().as_fd()
     }
 
-    /// Every conntrack entry (both directions of every flow), read in
-    /// batches: O(live entries) in a few syscalls.
-    pub fn conntrack(&self) -> Result<CtEntries<A>, DatapathError> {
+    fn ct_assured_fd(&self) -> BorrowedFd<'_> {
+        IterableMap::<CtKey<A>, _>::map(&self.ct_assured).fd().as_fd()
+    }
+
+    /// The fd and name of one conntrack table.
+    fn ct_table(&self, table: CtTable) -> (BorrowedFd<'_>, &'static str) {
+        match table {
+            CtTable::Lru => (self.ct_fd(), A::CT),
+            CtTable::Assured => (self.ct_assured_fd(), A::CT_ASSURED),
+        }
+    }
+
+    /// The entries of one conntrack table, read in batches: O(live
+    /// entries) in a few syscalls.
+    pub fn conntrack_table(&self, table: CtTable) -> Result<CtEntries<A>, DatapathError> {
+        let (fd, name) = self.ct_table(table);
         let mut out = Vec::new();
-        batch::for_each(self.ct_fd(), |k: &CtKey<A>, e: &CtEntry<A>| out.push((*k, *e)))
-            .map_err(|source| DatapathError::Batch { name: A::CT, source })?;
+        batch::for_each(fd, |k: &CtKey<A>, e: &CtEntry<A>| out.push((*k, *e)))
+            .map_err(|source| DatapathError::Batch { name, source })?;
         Ok(out)
     }
 
-    /// Deletes the conntrack entries `stale` selects; returns how many.
+    /// Every conntrack entry (both directions of every flow): the LRU's,
+    /// and the assured copies of those it evicted (the datapath restores
+    /// them at their flow's next packet).
+    pub fn conntrack(&self) -> Result<CtEntries<A>, DatapathError> {
+        let mut out = self.conntrack_table(CtTable::Lru)?;
+        let held: std::collections::HashSet<CtKey<A>> = out.iter().map(|(k, _)| *k).collect();
+        out.extend(
+            self.conntrack_table(CtTable::Assured)?
+                .into_iter()
+                .filter(|(k, _)| !held.contains(k)),
+        );
+        Ok(out)
+    }
+
+    /// Deletes the entries `victims` from one table (entries the datapath
+    /// removed meanwhile are skipped).
+    fn delete_entries(&mut self, table: CtTable, victims: &[CtKey<A>]) -> Result<(), DatapathError> {
+        let (fd, name) = self.ct_table(table);
+        batch::delete(fd, victims).map_err(|(_, source)| DatapathError::Batch { name, source })
+    }
+
+    /// Deletes the conntrack entries `stale` selects, from both tables;
+    /// returns how many, (LRU entries, assured copies).
     pub fn purge_conntrack(
         &mut self,
         stale: impl Fn(&CtKey<A>, &CtEntry<A>) -> bool,
-    ) -> Result<usize, DatapathError> {
-        let victims: Vec<CtKey<A>> = self
-            .conntrack()?
+    ) -> Result<(usize, usize), DatapathError> {
+        let mut n = [0; 2];
+        for (i, table) in [CtTable::Lru, CtTable::Assured].into_iter().enumerate() {
+            let victims: Vec<CtKey<A>> = self
+                .conntrack_table(table)?
+                .into_iter()
+                .filter(|(k, e)| stale(k, e))
+                .map(|(k, _)| k)
+                .collect();
+            self.delete_entries(table, &victims)?;
+            n[i] = victims.len();
+        }
+        Ok((n[0], n[1]))
+    }
+
+    /// Collects the expired copies of the assured table (the LRU reclaims
+    /// its own entries): those idle for longer than their flow's state
+    /// allows (`timeouts`), as the datapath judges them, at `now_ns` on its
+    /// clock. Returns (copies left, copies collected).
+    pub fn collect_expired(
+        &mut self,
+        timeouts: &dataplane_common::config::CtTimeouts,
+        now_ns: u64,
+    ) -> Result<(usize, usize), DatapathError> {
+        let entries = self.conntrack_table(CtTable::Assured)?;
+        let total = entries.len();
+        let victims: Vec<CtKey<A>> = entries
             .into_iter()
-            .filter(|(k, e)| stale(k, e))
+            .filter(|(k, e)| expired(k, e, timeouts, now_ns))
             .map(|(k, _)| k)
             .collect();
-        // Entries the datapath expired meanwhile are skipped.
-        batch::delete(self.ct_fd(), &victims)
-            .map_err(|(_, source)| DatapathError::Batch { name: A::CT, source })?;
-        Ok(victims.len())
+        self.delete_entries(CtTable::Assured, &victims)?;
+        Ok((total - victims.len(), victims.len()))
     }
 
     /// Deletes the UDP conntrack entries of flows translated to `backends`
     /// (address, port in network order): every entry whose flow goes to
-    /// one of them, both directions.
-    pub fn purge_udp_flows_to(&mut self, backends: &[(A, u16)]) -> Result<usize, DatapathError> {
+    /// one of them, both directions. Returns how many, (LRU entries, assured
+    /// copies).
+    pub fn purge_udp_flows_to(&mut self, backends: &[(A, u16)]) -> Result<(usize, usize), DatapathError> {
         if backends.is_empty() {
-            return Ok(0);
+            return Ok((0, 0));
         }
         let targets: std::collections::HashSet<(A, u16)> = backends.iter().copied().collect();
         self.purge_conntrack(|k, e| {
@@ -181,10 +247,32 @@ impl<A: AbiAddr> FamilyMaps<A> {
         self.affinity.get(&AffinityKey { client, service_id }, 0).ok()
     }
 
-    /// (conntrack, affinity) entries, counted in batches.
-    pub(super) fn counts(&self) -> (usize, usize) {
+    /// (conntrack LRU, assured copies, affinity) entries, counted in
+    /// batches.
+    pub(super) fn counts(&self) -> (usize, usize, usize) {
         let ct = batch::count::<CtKey<A>, CtEntry<A>>(self.ct_fd()).unwrap_or(0);
+        let assured = batch::count::<CtKey<A>, CtEntry<A>>(self.ct_assured_fd()).unwrap_or(0);
         let affinity = batch::count::<AffinityKey<A>, Lb4AffinityValue>(self.affinity_fd()).unwrap_or(0);
-        (ct, affinity)
+        (ct, assured, affinity)
     }
+}
+
+/// The two conntrack tables (see `dataplane_common::ct::assured`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CtTable {
+    /// Every flow's entries: an LRU map, which a flood of new flows evicts
+    /// from.
+    Lru,
+    /// Copies of assured flows' entries: a hash map that never evicts.
+    Assured,
+}
+
+/// Whether the datapath ignores `e` at `now_ns` (its `ct::expired`).
+pub fn expired<A: Addr>(
+    k: &CtKey<A>,
+    e: &CtEntry<A>,
+    timeouts: &dataplane_common::config::CtTimeouts,
+    now_ns: u64,
+) -> bool {
+    now_ns.saturating_sub(e.last_seen_ns) > e.timeout_s(k.proto, timeouts) as u64 * 1_000_000_000
 }

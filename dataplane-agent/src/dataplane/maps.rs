@@ -269,8 +269,63 @@ impl LbMaps {
                 .filter_map(|(a, p)| Some((A::from_ip(*a)?, p.to_be())))
                 .collect()
         }
-        Ok(self.v4.purge_udp_flows_to(&of::<u32>(backends))?
-            + self.v6.purge_udp_flows_to(&of::<Ip6>(backends))?)
+        let (y4, a4) = self.v4.purge_udp_flows_to(&of::<u32>(backends))?;
+        let (y6, a6) = self.v6.purge_udp_flows_to(&of::<Ip6>(backends))?;
+        self.add_flow_stat(FlowStat::CtDeleted, (y4 + y6) as u64)?;
+        Ok(y4 + y6 + a4 + a6)
+    }
+
+    /// Collects the expired copies of both families' assured conntrack
+    /// tables (see [`FamilyMaps::collect_expired`]) at `now_ns`
+    /// on the datapath's clock; returns (entries left, entries collected).
+    pub fn collect_expired_conntrack(&mut self, now_ns: u64) -> Result<(usize, usize), DatapathError> {
+        let timeouts = self.config()?.timeouts;
+        let (l4, c4) = self.v4.collect_expired(&timeouts, now_ns)?;
+        let (l6, c6) = self.v6.collect_expired(&timeouts, now_ns)?;
+        self.add_flow_stat(FlowStat::CtCollected, (c4 + c6) as u64)?;
+        Ok((l4 + l6, c4 + c6))
+    }
+
+    /// Entries of each conntrack table of one family (`--conntrack-entries`).
+    pub fn conntrack_capacity(&self) -> u32 {
+        self.v4.ct_capacity
+    }
+
+    /// Adds `n` to a flow counter only the agent writes (its first CPU's
+    /// slot: the datapath never touches these).
+    fn add_flow_stat(&mut self, stat: FlowStat, n: u64) -> Result<(), DatapathError> {
+        debug_assert!(matches!(stat, FlowStat::CtDeleted | FlowStat::CtCollected));
+        if n == 0 {
+            return Ok(());
+        }
+        let mut per_cpu: Vec<Counter> = self
+            .flow_stats
+            .get(&(stat as u32), 0)
+            .map_err(err(names::FLOW_STATS))?
+            .to_vec();
+        if let Some(first) = per_cpu.first_mut() {
+            first.packets += n;
+        }
+        let values = aya::maps::PerCpuValues::try_from(per_cpu).map_err(|source| DatapathError::Batch {
+            name: names::FLOW_STATS,
+            source,
+        })?;
+        self.flow_stats
+            .set(stat as u32, values, 0)
+            .map_err(err(names::FLOW_STATS))
+    }
+
+    /// Entries the conntrack LRUs evicted so far (both families), told
+    /// from the datapath's counts (see `FlowStat::CtInserted`):
+    /// exact when nothing writes meanwhile, within the entries written
+    /// during the read otherwise.
+    pub fn ct_evictions(&self) -> Result<u64, DatapathError> {
+        let stat =
+            |s: FlowStat| sum_per_cpu(&self.flow_stats, s as u32, names::FLOW_STATS).map(|c| c.packets);
+        let inserted = stat(FlowStat::CtInserted)? + stat(FlowStat::CtRestored)?;
+        let gone = stat(FlowStat::CtRemoved)? + stat(FlowStat::CtDeleted)?;
+        let held = (self.v4.counts().0 + self.v6.counts().0) as u64;
+        Ok(inserted.saturating_sub(gone).saturating_sub(held))
     }
 
     /// Flow statistics ([`FlowStat`]), summed over CPUs.
@@ -359,8 +414,9 @@ impl LbMaps {
     /// counted here, in batches: O(live entries) in a few syscalls.
     pub fn occupancy(&self) -> std::collections::BTreeMap<&'static str, (u64, u64)> {
         fn of<A: AbiAddr>(m: &FamilyMaps<A>, out: &mut std::collections::BTreeMap<&'static str, (u64, u64)>) {
-            let (ct, affinity) = m.counts();
+            let (ct, assured, affinity) = m.counts();
             out.insert(A::CT, (ct as u64, m.ct_capacity as u64));
+            out.insert(A::CT_ASSURED, (assured as u64, m.ct_capacity as u64));
             out.insert(A::AFFINITY, (affinity as u64, m.affinity_capacity as u64));
         }
         let mut out = std::collections::BTreeMap::new();

@@ -8,7 +8,7 @@
 //! the service table's types ([`crate::state::table`]) to the kernel ABI.
 
 pub mod batch;
-mod clock;
+pub mod clock;
 mod config;
 pub mod derived;
 pub mod device;
@@ -342,11 +342,13 @@ impl Datapath {
             .map_max_entries(names::SNAT_CURSORS, opts.max_backends)
             .map_max_entries(names::LB4_SERVICES, opts.max_service_entries)
             .map_max_entries(names::CT4, opts.ct_entries)
+            .map_max_entries(names::CT4_ASSURED, opts.ct_entries)
             .map_max_entries(names::LB4_AFFINITY, opts.affinity_entries)
             .map_max_entries(names::LB4_SERVICE_NAMES, opts.max_services)
             .map_max_entries(names::LB6_BACKENDS, v6(opts.max_backends))
             .map_max_entries(names::LB6_SERVICES, v6(opts.max_service_entries))
             .map_max_entries(names::CT6, v6(opts.ct_entries))
+            .map_max_entries(names::CT6_ASSURED, v6(opts.ct_entries))
             .map_max_entries(names::LB6_AFFINITY, v6(opts.affinity_entries))
             // An LPM trie is never preallocated (it costs what it holds), and
             // cannot be copied in batches: one size for every node.
@@ -384,6 +386,7 @@ impl Datapath {
                 affinity: take(ebpf, A::AFFINITY, HashMap::try_from)?,
                 source_ranges: take(ebpf, A::SOURCE_RANGES, LpmTrie::try_from)?,
                 ct: take(ebpf, A::CT, HashMap::try_from)?,
+                ct_assured: take(ebpf, A::CT_ASSURED, HashMap::try_from)?,
                 ct_capacity: size(opts.ct_entries),
                 affinity_capacity: size(opts.affinity_entries),
                 service_entries_capacity: size(opts.max_service_entries),
@@ -778,12 +781,19 @@ impl LbMaps {
                 |d| HashMap::try_from(Map::LruHashMap(d)),
                 || HashMap::create(1, NO_PREALLOC),
             )?;
+            let (ct_assured, _) = or_empty(
+                A::CT_ASSURED,
+                find(A::CT_ASSURED)?,
+                |d| HashMap::try_from(Map::HashMap(d)),
+                || HashMap::create(1, NO_PREALLOC),
+            )?;
             Ok(family::FamilyMaps {
                 services,
                 backends,
                 affinity,
                 source_ranges,
                 ct,
+                ct_assured,
                 ct_capacity,
                 affinity_capacity,
                 service_entries_capacity,

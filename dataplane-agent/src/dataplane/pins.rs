@@ -120,8 +120,8 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         names::LB4_AFFINITY => s(size_of::<Lb4AffinityKey>(), size_of::<Lb4AffinityValue>()),
         // LPM key: prefix length + service id + address.
         names::LB4_SOURCE_RANGES => s(12, 1),
-        names::CT4 => s(size_of::<Ct4Key>(), size_of::<Ct4Entry>()),
-        names::CT6 => s(size_of::<Ct6Key>(), size_of::<Ct6Entry>()),
+        names::CT4 | names::CT4_ASSURED => s(size_of::<Ct4Key>(), size_of::<Ct4Entry>()),
+        names::CT6 | names::CT6_ASSURED => s(size_of::<Ct6Key>(), size_of::<Ct6Entry>()),
         names::LB6_SERVICES => s(size_of::<Lb6ServiceKey>(), size_of::<Lb4Service>()),
         names::LB6_BACKENDS => s(4, size_of::<Lb6Backend>()),
         names::LB6_AFFINITY => s(size_of::<Lb6AffinityKey>(), size_of::<Lb4AffinityValue>()),
@@ -429,6 +429,7 @@ pub fn sized_maps(opts: &super::LoadOptions) -> Vec<(&'static str, u32, &'static
             "--max-services/--max-backends (services map entries)",
         ),
         (names::CT4, opts.ct_entries, "--conntrack-entries"),
+        (names::CT4_ASSURED, opts.ct_entries, "--conntrack-entries"),
         (names::LB4_AFFINITY, opts.affinity_entries, "affinity entries"),
     ];
     if opts.ipv6 {
@@ -440,6 +441,7 @@ pub fn sized_maps(opts: &super::LoadOptions) -> Vec<(&'static str, u32, &'static
                 "--max-services/--max-backends (services map entries)",
             ),
             (names::CT6, opts.ct_entries, "--conntrack-entries"),
+            (names::CT6_ASSURED, opts.ct_entries, "--conntrack-entries"),
             (names::LB6_AFFINITY, opts.affinity_entries, "affinity entries"),
             (
                 names::SOCK6_REVNAT,
@@ -583,7 +585,7 @@ impl PinDir {
             }
             // Conntrack is an LRU map, but a copy into a smaller one would
             // drop established flows: refused like the rest.
-            names::CT4 | names::CT6 if count > to as u64 => {
+            names::CT4 | names::CT6 | names::CT4_ASSURED | names::CT6_ASSURED if count > to as u64 => {
                 Err(too_small(format!("{count} tracked flow entries"), count))
             }
             // Counters of ids that cannot exist any more, and the affinity
