@@ -291,10 +291,19 @@ pub enum FlowStat {
     /// Expired copies the agent collected from the assured table. Written
     /// by the agent alone, as above.
     CtCollected = 25,
+    /// New masqueraded flows given their hashed port although another
+    /// client's flow closed on it less than 120 s ago (its backend may
+    /// hold the tuple in TIME_WAIT): no other port was free. Each may
+    /// stall if the backend closed that connection first.
+    SnatTimeWaitReuse = 26,
+    /// New masqueraded flows whose hashed port was passed over because
+    /// another client's flow closed on it less than 120 s ago (netfilter
+    /// keeps such a tuple in TIME_WAIT): they looked for another port.
+    SnatTimeWaitHeld = 27,
 }
 
 impl FlowStat {
-    pub const ALL: [FlowStat; 26] = [
+    pub const ALL: [FlowStat; 28] = [
         FlowStat::SnatHashed,
         FlowStat::SnatFallback,
         FlowStat::SnatTakeover,
@@ -321,6 +330,8 @@ impl FlowStat {
         FlowStat::CtMidstream,
         FlowStat::CtDeleted,
         FlowStat::CtCollected,
+        FlowStat::SnatTimeWaitReuse,
+        FlowStat::SnatTimeWaitHeld,
     ];
 
     pub const fn name(self) -> &'static str {
@@ -351,6 +362,8 @@ impl FlowStat {
             FlowStat::CtMidstream => "ct_midstream_pickup",
             FlowStat::CtDeleted => "ct_deleted",
             FlowStat::CtCollected => "ct_collected",
+            FlowStat::SnatTimeWaitReuse => "snat_time_wait_reuse",
+            FlowStat::SnatTimeWaitHeld => "snat_time_wait_held",
         }
     }
 }

@@ -80,6 +80,25 @@ pub fn expired<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>, now: u64) -> 
     now.saturating_sub(e.last_seen_ns) > timeout_ns(cfg, proto, e)
 }
 
+/// How long a port whose TCP flow ended with a FIN each way is not given to
+/// another client: netfilter's TIME_WAIT timeout. The backend may hold the
+/// tuple (backend ↔ node : port) in TIME_WAIT for 60 s if it closed first,
+/// and a SYN from another client on that tuple, whose sequence numbers and
+/// timestamps bear no relation to the old ones, is then answered with an
+/// ACK of the old connection instead of a SYN-ACK: the new connection
+/// stalls until the client retransmits past it, or fails.
+pub const TCP_TIME_WAIT_NS: u64 = 120 * NS_PER_S;
+
+/// Whether `e`'s TCP flow closed with a FIN each way (not a RST) less than
+/// [`TCP_TIME_WAIT_NS`] ago: its backend may still hold the tuple.
+#[inline(always)]
+pub fn in_time_wait<A: Addr>(proto: u8, e: &CtEntry<A>, now: u64) -> bool {
+    proto == proto::TCP
+        && e.tcp_closed()
+        && !e.has(state::RST)
+        && now.saturating_sub(e.last_seen_ns) < TCP_TIME_WAIT_NS
+}
+
 /// Whether a new flow may take the entry's tuple over: it expired, or its
 /// TCP connection has ended.
 #[inline(always)]
@@ -672,6 +691,8 @@ fn same_frontend<A: Addr>(e: &CtEntry<A>, t: &CtKey<A>) -> bool {
 /// (a masqueraded flow claiming its hashed port), a holder from the same
 /// client address and port is that flow's tuple (see [`clear_tuple`]):
 /// taken over if closed or through the same frontend, a clash otherwise.
+/// With `hold_time_wait`, another client's flow that closed with FINs less
+/// than [`TCP_TIME_WAIT_NS`] ago keeps its key ([`Claim::TimeWait`]).
 #[inline(always)]
 pub fn claim<F: Family>(
     cfg: &DpConfig,
@@ -679,6 +700,7 @@ pub fn claim<F: Family>(
     value: &CtEntry<F::A>,
     now: u64,
     flow: Option<&CtKey<F::A>>,
+    hold_time_wait: bool,
 ) -> Claim {
     // Look before inserting: an insert that fails on an existing key costs
     // the LRU a node taken and given back, several times a lookup.
@@ -693,6 +715,10 @@ pub fn claim<F: Family>(
         match tuple {
             Some(t) if !free && !same_frontend(old, t) => return Claim::Clash,
             None if !free => return Claim::Busy,
+            // Another client's flow, closed moments ago: its backend may
+            // hold the tuple in TIME_WAIT (unless the caller gives up on
+            // finding another port).
+            None if hold_time_wait && in_time_wait(key.proto, old, now) => return Claim::TimeWait,
             _ => {}
         }
         remove::<F>(key);
@@ -721,6 +747,9 @@ pub enum Claim {
     Busy,
     /// A live flow of the same client port through another frontend.
     Clash,
+    /// Another client's flow that closed less than [`TCP_TIME_WAIT_NS`]
+    /// ago (see [`in_time_wait`]).
+    TimeWait,
 }
 
 impl Claim {

@@ -10,8 +10,11 @@
 //! tried from a per-CPU, per-backend cursor that advances through the range:
 //! consecutive flows to a backend get ports far apart in time, and a port
 //! is taken again only after the whole range has gone round. A port held by
-//! a closed or expired flow is taken over. Only when the whole range is held
-//! by live flows does a new flow find nothing within `SNAT_ATTEMPTS` tries.
+//! a closed or expired flow is taken over, but one whose flow (another
+//! client's) closed with FINs less than `ct::TCP_TIME_WAIT_NS` ago only
+//! when no other port is found (its backend may hold the tuple in
+//! TIME_WAIT). Only when the whole range is held by live flows does a new
+//! flow find nothing within `SNAT_ATTEMPTS` tries.
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use dataplane_common::{
@@ -69,7 +72,7 @@ fn search<F: Family>(
     }
     let hashed = snat_port_hash(t.saddr, t.sport, cfg.snat_hash_seed, min, max);
     s.key = CtKey::new(s.a.nat_daddr, snat_ip, s.a.nat_dport, hashed.to_be(), t.proto);
-    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t));
+    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t), true);
     match outcome {
         Claim::Clash => return Err(Event::DropTupleClash),
         Claim::TakenOver => stats::count_flow(FlowStat::SnatTakeover),
@@ -79,6 +82,12 @@ fn search<F: Family>(
     if outcome.won() {
         stats::count_flow(FlowStat::SnatHashed);
         return Ok((s.key.dport, false));
+    }
+    // The hashed port's last flow (another client's) closed moments ago:
+    // another port if one is free, else that one after all.
+    let time_wait = outcome == Claim::TimeWait;
+    if time_wait {
+        stats::count_flow(FlowStat::SnatTimeWaitHeld);
     }
     s.b.flags |= ct_flags::EXPLICIT;
     let range = max as u32 - min as u32 + 1;
@@ -92,7 +101,7 @@ fn search<F: Family>(
     // comparison: the clock in ms wraps every 49 days).
     if backoff_until != 0 && (backoff_until.wrapping_sub(now_ms) as i32) > 0 {
         stats::count_flow(FlowStat::SnatBackoff);
-        return Err(Event::DropSnatExhausted);
+        return time_wait_takeover::<F>(cfg, t, s, hashed, time_wait, now);
     }
     if next == 0 {
         // SAFETY: helper without arguments.
@@ -107,7 +116,7 @@ fn search<F: Family>(
             continue;
         }
         s.key.dport = port.to_be();
-        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, None);
+        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, None, true);
         if outcome.won() {
             // SAFETY: as above.
             unsafe { (*cursor).next = next };
@@ -124,5 +133,30 @@ fn search<F: Family>(
         (*cursor).next = next;
         (*cursor).backoff_until_ms = now_ms.wrapping_add(limits::SNAT_BACKOFF_MS).max(1);
     }
-    Err(Event::DropSnatExhausted)
+    time_wait_takeover::<F>(cfg, t, s, hashed, time_wait, now)
+}
+
+/// When no other port was found: the hashed port after all if its last
+/// flow closed moments ago (`time_wait`: taken over, counted
+/// `snat_time_wait_reuse`, as before the hold), else the range is held by
+/// live flows: exhausted.
+#[inline(always)]
+fn time_wait_takeover<F: Family>(
+    cfg: &DpConfig,
+    t: &CtKey<F::A>,
+    s: &mut CtScratch<F::A>,
+    hashed: u16,
+    time_wait: bool,
+    now: u64,
+) -> Result<(u16, bool), Event> {
+    if !time_wait {
+        return Err(Event::DropSnatExhausted);
+    }
+    s.b.flags &= !ct_flags::EXPLICIT;
+    s.key.dport = hashed.to_be();
+    if !ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t), false).won() {
+        return Err(Event::DropSnatExhausted);
+    }
+    stats::count_flow(FlowStat::SnatTimeWaitReuse);
+    Ok((s.key.dport, false))
 }

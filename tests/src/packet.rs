@@ -10,6 +10,7 @@ pub const SCTP: u8 = 132;
 pub const ICMPV6: u8 = 58;
 pub const TCP_FIN: u8 = 0x01;
 pub const TCP_SYN: u8 = 0x02;
+pub const TCP_RST: u8 = 0x04;
 pub const TCP_ACK: u8 = 0x10;
 
 /// RFC 1071 checksum, straightforward (no incremental tricks).
