@@ -75,8 +75,9 @@ pub fn require_privileges() {
 }
 
 /// Deletes namespaces, bpffs mounts, cgroups and temporary files whose
-/// owning process is gone.
-fn sweep_orphans() {
+/// owning process is gone (a killed run's). The first sandbox of a process
+/// runs it.
+pub fn sweep_orphans() {
     remove_matching(|name| {
         let Some(rest) = name.strip_prefix(NAME_PREFIX) else {
             return false;
