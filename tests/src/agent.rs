@@ -5,7 +5,7 @@ use std::{
     io::{Read as _, Write as _},
     net::{SocketAddrV4, TcpStream},
     path::{Path, PathBuf},
-    process::{Child, Command, Stdio},
+    process::{Child, Stdio},
     time::{Duration, Instant},
 };
 
@@ -67,6 +67,9 @@ pub struct AgentProcess {
     bin: String,
     args: Vec<String>,
     ns: String,
+    /// `sh` commands run in its private mount namespace before it starts
+    /// (`NetNs::command_after`): the machine's cgroup2 mount by default.
+    mounts: String,
 }
 
 impl Cluster {
@@ -92,6 +95,37 @@ impl Cluster {
         node: usize,
         source: &str,
         extra: &[&str],
+    ) -> AgentProcess {
+        let mounts = crate::cgroup::system_mount_script();
+        self.spawn_agent(bin, node, source, extra, &mounts, true)
+    }
+
+    /// As [`Cluster::start_agent`], with no `--cgroup-path` unless `extra`
+    /// has one (the agent chooses a cgroup2 mount itself and attaches at its
+    /// root), after the `sh` commands `mounts` ran in the agent's private
+    /// mount namespace instead of the usual ones. `mounts` must leave only
+    /// sandbox cgroups in its view (bind mounts of them): never the root
+    /// cgroup.
+    pub fn start_agent_with_mounts(
+        &self,
+        bin: &str,
+        node: usize,
+        manifests: &ManifestDir,
+        extra: &[&str],
+        mounts: &str,
+    ) -> AgentProcess {
+        let source = format!("manifests:{}", manifests.path().display());
+        self.spawn_agent(bin, node, &source, extra, mounts, false)
+    }
+
+    fn spawn_agent(
+        &self,
+        bin: &str,
+        node: usize,
+        source: &str,
+        extra: &[&str],
+        mounts: &str,
+        cgroup_none_by_default: bool,
     ) -> AgentProcess {
         let n = &self.nodes[node];
         let pin_dir = self.bpffs.path().join(&n.name);
@@ -134,10 +168,10 @@ impl Cluster {
                 args.extend([flag.to_owned(), value.to_owned()]);
             }
         }
-        if !extra.contains(&"--cgroup-path") {
-            // `ip netns exec` hides /sys/fs/cgroup: no connect-time
-            // translation unless the test gives a cgroup outside /sys
-            // (`CgroupDir::outside_sys`).
+        if cgroup_none_by_default && !extra.contains(&"--cgroup-path") {
+            // Without it the agent would attach at the root of the cgroup2
+            // mount it sees (the machine's): no connect-time translation
+            // unless the test gives its node's cgroup (`CgroupDir::path`).
             args.extend(["--cgroup-path".to_owned(), "none".to_owned()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
@@ -150,6 +184,7 @@ impl Cluster {
             bin: bin.to_owned(),
             args,
             ns: n.ns().name().to_owned(),
+            mounts: mounts.to_owned(),
         };
         agent.start();
         agent.wait_healthy(n.ns());
@@ -164,8 +199,8 @@ impl AgentProcess {
             .append(true)
             .open(&self.log)
             .expect("agent log");
-        let child = Command::new("ip")
-            .args(["netns", "exec", &self.ns, &self.bin])
+        let child = NetNs::adopt(&self.ns)
+            .command_after(&self.mounts, &self.bin)
             .args(&self.args)
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
@@ -226,7 +261,8 @@ impl AgentProcess {
     /// SIGKILL: no cleanup at all, as a crash or an OOM kill.
     pub fn kill9(&mut self) {
         if let Some(mut c) = self.child.take() {
-            // `ip netns exec` execs the agent, so the child is the agent.
+            // `ip netns exec` execs `sh`, which execs the agent: the child
+            // is the agent.
             let _ = c.kill();
             let _ = c.wait();
         }
@@ -256,8 +292,8 @@ impl AgentProcess {
     /// `run` on the same pins, `cleanup`, `inspect`) and waits for it, at
     /// most `timeout` (then it is killed).
     pub fn run_in_node(&self, args: &[String], timeout: Duration) -> std::process::Output {
-        let mut child = Command::new("ip")
-            .args(["netns", "exec", &self.ns, &self.bin])
+        let mut child = NetNs::adopt(&self.ns)
+            .command_after(&self.mounts, &self.bin)
             .args(args)
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

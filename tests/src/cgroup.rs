@@ -1,52 +1,109 @@
 //! A dedicated cgroup (v2) per sandbox node, for the connect-time programs:
-//! never the root cgroup. Removed on drop.
+//! never the root cgroup. Created under the machine's own cgroup2 mount,
+//! removed on drop.
+//!
+//! Processes started with `ip netns exec` (agents) get a fresh /sys in their
+//! own mount namespace, which hides the machine's cgroup2 mount;
+//! [`system_mount_script`] mounts it again at the same place inside that
+//! namespace only (gone with the process), so a cgroup's [`CgroupDir::path`]
+//! is the same for the test and for the agent, and nothing is mounted on
+//! the machine.
 
 use std::path::{Path, PathBuf};
 
-/// Where cgroup v2 is mounted (`/sys/fs/cgroup` on unified hosts,
-/// `/sys/fs/cgroup/unified` on hybrid ones).
+/// The machine's cgroup v2 mount, chosen as the agent chooses it
+/// (`/sys/fs/cgroup` on unified hosts, `/sys/fs/cgroup/unified` on hybrid
+/// ones; never a stray mount under /run or /tmp).
 pub fn cgroup2_root() -> PathBuf {
-    let mounts = std::fs::read_to_string("/proc/mounts").expect("read /proc/mounts");
-    mounts
-        .lines()
-        .find_map(|l| {
-            let mut f = l.split_whitespace().skip(1);
-            let (path, fstype) = (f.next()?, f.next()?);
-            (fstype == "cgroup2").then(|| PathBuf::from(path))
+    dataplane_agent::agent::cgroup_mount::system_cgroup2_mount()
+        .unwrap_or_else(|e| {
+            panic!("{e}: the connect-time tests need the machine's cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified)")
         })
-        .expect("no cgroup v2 mount: the connect-time tests need cgroup2 (mount -t cgroup2 none /sys/fs/cgroup/unified)")
+        .path
 }
 
-/// A second mount of the cgroup2 hierarchy, not under /sys.
-pub const OUTSIDE_SYS_MOUNT: &str = "/run/dataplane-tests/cgroup2";
-
-fn outside_sys_mounted() -> bool {
-    std::fs::read_to_string("/proc/mounts")
-        .expect("read /proc/mounts")
+/// The mount options of the machine's cgroup2 mount. A cgroup2 mount's
+/// options (nsdelegate, memory_recursiveprot, ...) apply to the whole
+/// hierarchy: mounting it again with others would change them for the
+/// machine, so every mount the harness makes repeats these.
+pub fn cgroup2_options() -> String {
+    let root = cgroup2_root();
+    std::fs::read_to_string("/proc/self/mounts")
+        .expect("read /proc/self/mounts")
         .lines()
-        .any(|l| {
-            let mut f = l.split_whitespace().skip(1);
-            f.next() == Some(OUTSIDE_SYS_MOUNT) && f.next() == Some("cgroup2")
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.len() > 3 && Path::new(f[1]) == root && f[2] == "cgroup2").then(|| f[3].to_owned())
         })
+        .next_back()
+        .expect("the cgroup2 mount is in /proc/self/mounts")
 }
 
-/// Mounts cgroup2 at [`OUTSIDE_SYS_MOUNT`] when it is not mounted yet (the
-/// same hierarchy as the machine's cgroup2 mount: nothing new is created).
-fn ensure_outside_sys_mount() {
-    if outside_sys_mounted() {
-        return;
+/// `sh` commands that mount the machine's cgroup2 hierarchy at `at` (with
+/// its options), for a private mount namespace.
+pub fn mount_cgroup2_command(at: &Path) -> String {
+    format!(
+        "mount -t cgroup2 -o {} none '{}'",
+        cgroup2_options(),
+        at.display()
+    )
+}
+
+/// `sh` commands, run in `ip netns exec`'s private mount namespace, that put
+/// the machine's cgroup2 mount back where the machine has it (hidden by the
+/// fresh /sys). Nothing when the mount is not under /sys (still visible).
+pub fn system_mount_script() -> String {
+    at_system_mount(mount_cgroup2_command)
+}
+
+/// `sh` commands that run `mount_at(path)` for the place of the machine's
+/// cgroup2 mount in `ip netns exec`'s fresh /sys: a hybrid host's
+/// `/sys/fs/cgroup/unified` needs a tmpfs at `/sys/fs/cgroup` to be made in.
+pub fn at_system_mount(mount_at: impl Fn(&Path) -> String) -> String {
+    let root = cgroup2_root();
+    if root == Path::new("/sys/fs/cgroup") {
+        mount_at(&root)
+    } else if root.parent() == Some(Path::new("/sys/fs/cgroup")) {
+        format!(
+            "mount -t tmpfs -o mode=755 tmpfs /sys/fs/cgroup\nmkdir '{}'\n{}",
+            root.display(),
+            mount_at(&root)
+        )
+    } else if root.starts_with("/sys") {
+        panic!(
+            "cgroup2 at {}: the harness knows /sys/fs/cgroup and /sys/fs/cgroup/unified only",
+            root.display()
+        )
+    } else {
+        String::new()
     }
-    std::fs::create_dir_all(OUTSIDE_SYS_MOUNT).expect("create the cgroup2 mount point");
-    let out = std::process::Command::new("mount")
-        .args(["-t", "cgroup2", "none", OUTSIDE_SYS_MOUNT])
-        .output()
-        .expect("run mount");
-    // Another test process may have mounted it in the meantime.
-    assert!(
-        out.status.success() || outside_sys_mounted(),
-        "cannot mount cgroup2 at {OUTSIDE_SYS_MOUNT} (needs root): {}",
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
+}
+
+/// An empty directory under the temporary directory, named `<prefix>-<what>`
+/// (swept with the sandbox's other files), for mounts made in a private
+/// mount namespace; unmounted (should anything be mounted there) and
+/// removed on drop.
+#[derive(Debug)]
+pub struct MountPoint {
+    path: PathBuf,
+}
+
+impl MountPoint {
+    pub fn new(prefix: &str, what: &str) -> Self {
+        let path = std::env::temp_dir().join(format!("{prefix}-{what}"));
+        std::fs::create_dir_all(&path).unwrap_or_else(|e| panic!("create {}: {e}", path.display()));
+        Self { path }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for MountPoint {
+    fn drop(&mut self) {
+        crate::bpffs::unmount_and_remove(&self.path);
+    }
 }
 
 #[derive(Debug)]
@@ -61,20 +118,11 @@ impl CgroupDir {
         Self { path }
     }
 
+    /// The cgroup's directory: for the test process, and for agents started
+    /// through the harness (`NetNs::node_command`), which see the machine's
+    /// cgroup2 mount at the same place.
     pub fn path(&self) -> &Path {
         &self.path
-    }
-
-    /// The same cgroup through a cgroup2 mount outside /sys, for processes
-    /// started with `ip netns exec` (which remounts /sys in its own mount
-    /// namespace, hiding /sys/fs/cgroup): agents given `--cgroup-path`.
-    pub fn outside_sys(&self) -> PathBuf {
-        ensure_outside_sys_mount();
-        let relative = self
-            .path
-            .strip_prefix(cgroup2_root())
-            .expect("a sandbox cgroup is under the cgroup2 root");
-        Path::new(OUTSIDE_SYS_MOUNT).join(relative)
     }
 
     /// The file a process writes its pid to, to join.

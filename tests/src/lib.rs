@@ -28,7 +28,8 @@ use std::sync::{
     atomic::{AtomicU32, Ordering},
 };
 
-/// Prefix of every namespace and bpffs directory the harness creates.
+/// Prefix of every namespace, mount point, cgroup and temporary file the
+/// harness creates.
 pub const NAME_PREFIX: &str = "dpt-";
 
 /// A fresh `dpt-<pid>-<seq>` prefix; the first call also sweeps leftovers
@@ -73,8 +74,10 @@ pub fn require_privileges() {
     );
 }
 
-/// Deletes namespaces and bpffs directories whose owning process is gone.
-fn sweep_orphans() {
+/// Deletes namespaces, bpffs mounts, cgroups and temporary files whose
+/// owning process is gone (a killed run's). The first sandbox of a process
+/// runs it.
+pub fn sweep_orphans() {
     remove_matching(|name| {
         let Some(rest) = name.strip_prefix(NAME_PREFIX) else {
             return false;
@@ -124,22 +127,19 @@ fn remove_matching(matches: impl Fn(&str) -> bool) {
             }
         }
     }
-    if let Ok(dir) = std::fs::read_dir(bpffs::BPFFS_ROOT) {
-        for entry in dir.flatten() {
-            if entry.file_name().to_str().is_some_and(&matches) {
-                let _ = std::fs::remove_dir_all(entry.path());
-            }
-        }
-    }
-    // Manifests directories and agent logs.
+    // bpffs mounts (`dpt-<pid>-bpffs`, pins and all), mount points of
+    // tests, manifests directories and agent logs.
     if let Ok(dir) = std::fs::read_dir(std::env::temp_dir()) {
         for entry in dir.flatten() {
             if entry.file_name().to_str().is_some_and(&matches) {
+                bpffs::unmount_and_remove(&entry.path());
                 let _ = std::fs::remove_dir_all(entry.path()).or_else(|_| std::fs::remove_file(entry.path()));
             }
         }
     }
-    if let Ok(dir) = std::fs::read_dir(cgroup::cgroup2_root()) {
+    if let Ok(root) = dataplane_agent::agent::cgroup_mount::system_cgroup2_mount()
+        && let Ok(dir) = std::fs::read_dir(root.path)
+    {
         for entry in dir.flatten() {
             if entry.file_name().to_str().is_some_and(&matches) {
                 let _ = std::fs::remove_dir(entry.path());

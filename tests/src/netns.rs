@@ -155,6 +155,26 @@ impl NetNs {
         cmd.args(["netns", "exec", &self.name, program]);
         cmd
     }
+
+    /// A command that runs inside this namespace as on a node: `ip netns
+    /// exec` with the machine's cgroup2 mount put back at its place in
+    /// `ip netns exec`'s private mount namespace (see
+    /// [`crate::cgroup::system_mount_script`]). For the agent binary.
+    pub fn node_command(&self, program: &str) -> Command {
+        self.command_after(&crate::cgroup::system_mount_script(), program)
+    }
+
+    /// `program` inside this namespace after the `sh` commands `script` ran
+    /// in `ip netns exec`'s private mount namespace (stopping at the first
+    /// that fails): mounts they make are the process's alone and vanish with
+    /// it. `program` replaces the shell (same pid).
+    pub fn command_after(&self, script: &str, program: &str) -> Command {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.name, "sh", "-c"])
+            .arg(format!("set -e\n{script}\nexec \"$@\""))
+            .args(["sh", program]);
+        cmd
+    }
 }
 
 fn enter(file: &File, name: &str) {

@@ -7,16 +7,19 @@
 use std::process::Output;
 
 use dataplane_tests::{
-    bpffs::BpffsDir, cgroup::CgroupDir, cluster::pass_through_xdp, netns::NetNs, unique_prefix,
+    bpffs::BpffsDir,
+    cgroup::{CgroupDir, MountPoint, cgroup2_root, mount_cgroup2_command, system_mount_script},
+    cluster::pass_through_xdp,
+    netns::NetNs,
+    unique_prefix,
 };
 use serde_json::Value;
 
 const BIN: &str = env!("CARGO_BIN_EXE_agent");
 
 /// A node: a namespace with `eth0` (a veth) holding 198.18.0.11/24, its
-/// pin directory, and its own cgroup (`ip netns exec` hides the machine's
-/// cgroup2 mount under /sys, so the cgroup is given as a node's agent is
-/// given it: through a mount outside /sys).
+/// pin directory, and its own cgroup (given as a node's agent is given it;
+/// `check` runs as the agent does, `NetNs::node_command`).
 struct Node {
     ns: NetNs,
     pins: BpffsDir,
@@ -57,12 +60,12 @@ fn check_command(node: &Node) -> std::process::Command {
 }
 
 fn check_command_with_pins(node: &Node, pins: &std::path::Path) -> std::process::Command {
-    let mut cmd = node.ns.command(BIN);
+    let mut cmd = node.ns.node_command(BIN);
     cmd.arg("check")
         .arg("--bpffs-dir")
         .arg(pins)
         .arg("--cgroup-path")
-        .arg(node.cgroup.outside_sys())
+        .arg(node.cgroup.path())
         .args(["--node-ip", "198.18.0.11"]);
     cmd
 }
@@ -129,6 +132,50 @@ fn a_clean_node_passes_and_every_check_is_reported() {
             .unwrap()
     });
     assert_eq!(link.xdp, None);
+}
+
+/// Without `--cgroup-path`, `check` reports the mount `run` would attach
+/// at: the system's, not a stray cgroup2 mount listed before it in
+/// /proc/mounts (as a test harness's leftover under /run or /tmp would be).
+/// Both mounts exist only in `check`'s private mount namespace, and `check`
+/// only queries the cgroup (BPF_PROG_QUERY): nothing is attached.
+#[test]
+fn without_a_cgroup_path_the_system_mount_is_reported_not_a_stray_one() {
+    let node = node();
+    let stray = MountPoint::new(node.ns.name(), "stray-cgroup2");
+    let script = format!(
+        "{}\n{}",
+        mount_cgroup2_command(stray.path()),
+        system_mount_script()
+    );
+    let out = node
+        .ns
+        .command_after(&script, BIN)
+        .arg("check")
+        .arg("--bpffs-dir")
+        .arg(node.pins.path())
+        .args(["--node-ip", "198.18.0.11", "-o", "json"])
+        .output()
+        .expect("run check");
+    let v: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("check -o json: {e}: {}", String::from_utf8_lossy(&out.stderr)));
+    let ok = findings(&v, "cgroup", "ok");
+    assert_eq!(ok.len(), 1, "{v}");
+    let message = ok[0]["message"].as_str().unwrap();
+    let root = cgroup2_root();
+    assert!(
+        message.starts_with(&format!(
+            "cgroup v2 at {} (chosen: the system's cgroup v2 mount",
+            root.display()
+        )),
+        "the system's mount, {}: {message}",
+        root.display()
+    );
+    assert!(
+        message.contains(&format!("passed over: {}", stray.path().display())),
+        "the stray mount at {} is named: {message}",
+        stray.path().display()
+    );
 }
 
 #[test]

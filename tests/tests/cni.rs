@@ -15,6 +15,7 @@ use std::{
 
 use dataplane_tests::{
     agent::{AgentProcess, HEALTH_PORT, METRICS_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
+    cgroup::{CgroupDir, MountPoint, at_system_mount, cgroup2_root, mount_cgroup2_command},
     cluster::{Cluster, EXTERNAL_DEVICE, POD_BRIDGE, PodLayout, Wiring},
     echo::{EchoServer, TcpClient, sockclient, tcp_request},
     services::EXTERNAL_VIP_RANGE,
@@ -115,6 +116,21 @@ impl Sandbox {
     /// three, an agent per node with no `--pod-interfaces`, connect-time
     /// translation on the node's cgroup, and `extra` flags.
     fn with_args(layout: PodLayout, extra: &[&str]) -> Self {
+        Self::with_agents(layout, 2, |cluster, i, dir| {
+            let cgroup = cluster.nodes[i].cgroup.path();
+            let mut args = vec!["--cgroup-path", cgroup.to_str().unwrap()];
+            args.extend(extra);
+            cluster.start_agent(BIN, i, dir, &args)
+        })
+    }
+
+    /// The same sandbox with agents on the first `agents` nodes, each
+    /// started by `start`.
+    fn with_agents(
+        layout: PodLayout,
+        agents: usize,
+        start: impl Fn(&Cluster, usize, &ManifestDir) -> AgentProcess,
+    ) -> Self {
         let mut cluster = Cluster::with_layout(Wiring::VethNode, layout);
         for (name, node) in [("client", 0), ("a", 0), ("b", 1)] {
             cluster.add_pod(node, name);
@@ -127,14 +143,7 @@ impl Sandbox {
         let dir = ManifestDir::new(cluster.prefix());
         dir.write("services.yaml", &manifests(&cluster));
         cluster.route_from_client(EXTERNAL_VIP_RANGE, 0);
-        let agents = (0..2)
-            .map(|i| {
-                let cgroup = cluster.nodes[i].cgroup.outside_sys();
-                let mut args = vec!["--cgroup-path", cgroup.to_str().unwrap()];
-                args.extend(extra);
-                cluster.start_agent(BIN, i, &dir, &args)
-            })
-            .collect();
+        let agents = (0..agents).map(|i| start(&cluster, i, &dir)).collect();
         Self {
             agents,
             _servers: servers,
@@ -550,4 +559,63 @@ fn a_pattern_that_misses_the_pods_names_itself() {
         metrics.lines().any(|l| l == "dataplane_pod_interfaces 0"),
         "{metrics}"
     );
+}
+
+/// A node where a stray cgroup2 mount (a test harness's leftover, say) comes
+/// before the system's in /proc/mounts: the agent, given no `--cgroup-path`,
+/// chooses the system's, says so, and host processes in it are translated
+/// at connect(). Both mounts exist only in the agent's private mount
+/// namespace and neither is the machine's root cgroup: the system's place
+/// holds node1's cgroup, the stray mount a sibling cgroup (bind mounts).
+#[test]
+fn without_a_cgroup_path_the_agent_passes_over_a_stray_cgroup2_mount() {
+    let stray_cgroup = CgroupDir::new(&format!("{}-stray", dataplane_tests::unique_prefix()));
+    let stray = std::cell::OnceCell::new();
+    let s = Sandbox::with_agents(PodLayout::RoutedUnusualNames, 1, |cluster, i, dir| {
+        let whole = MountPoint::new(cluster.prefix(), "cgroup2-whole");
+        let stray = stray.get_or_init(|| MountPoint::new(cluster.prefix(), "stray-cgroup2"));
+        let root = cgroup2_root();
+        let within =
+            |cg: &std::path::Path| whole.path().join(cg.strip_prefix(&root).expect("under the root"));
+        let node_cgroup = within(cluster.nodes[i].cgroup.path());
+        let mounts = [
+            // The whole hierarchy, to bind cgroups from; gone before the
+            // agent starts.
+            mount_cgroup2_command(whole.path()),
+            format!(
+                "mount --bind '{}' '{}'",
+                within(stray_cgroup.path()).display(),
+                stray.path().display()
+            ),
+            at_system_mount(|at| format!("mount --bind '{}' '{}'", node_cgroup.display(), at.display())),
+            format!("umount '{}'", whole.path().display()),
+        ]
+        .join("\n");
+        cluster.start_agent_with_mounts(BIN, i, dir, &[], &mounts)
+    });
+    let log = s.logs();
+    let root = cgroup2_root();
+    let stray = stray.get().expect("the agent was started");
+    let chose = log
+        .lines()
+        .find(|l| l.contains("chose the cgroup v2 mount"))
+        .unwrap_or_else(|| panic!("no line on the cgroup v2 mount chosen:\n{log}"));
+    assert!(
+        chose.contains(&format!("cgroup={}", root.display()))
+            && chose.contains(&stray.path().display().to_string()),
+        "{} chosen, the stray {} passed over: {chose}",
+        root.display(),
+        stray.path().display()
+    );
+    assert!(
+        log.contains(&format!("cgroup={} ", root.display()))
+            && log.contains("attached connect-time translation"),
+        "{log}"
+    );
+    // Attached where the system's mount is (node1's cgroup here): a host
+    // process there reaches the Service and sees its address.
+    let web = SocketAddrV4::new(WEB, 80);
+    let (peer, reply) = s.host_request(web);
+    assert_eq!(peer, web.to_string());
+    assert!(reply.starts_with('a') || reply.starts_with('b'), "{reply}");
 }

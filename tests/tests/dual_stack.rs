@@ -165,7 +165,7 @@ impl Sandbox {
         cluster.route_from_client("2001:db8:19::/64", 0);
         let agents = (0..2)
             .map(|i| {
-                let cgroup = cluster.nodes[i].cgroup.outside_sys();
+                let cgroup = cluster.nodes[i].cgroup.path();
                 cluster.start_agent(BIN, i, &dir, &["--cgroup-path", cgroup.to_str().unwrap()])
             })
             .collect();

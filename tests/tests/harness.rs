@@ -3,6 +3,8 @@
 use std::net::SocketAddrV4;
 
 use dataplane_tests::{
+    bpffs::is_mounted,
+    cgroup::MountPoint,
     cluster::{Cluster, NODE_IPS},
     echo::{EchoServer, tcp_request, udp_request},
 };
@@ -84,4 +86,30 @@ fn cleanup_also_happens_when_a_test_panics() {
         .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
         .count();
     assert_eq!(left, 0, "namespaces left behind after a panic");
+}
+
+/// A run killed with SIGKILL leaves its bpffs mount (`dpt-<pid>-bpffs`) and
+/// pins behind; the next run's sweep unmounts and removes them.
+#[test]
+fn a_killed_runs_bpffs_mount_is_swept_by_the_next_run() {
+    dataplane_tests::require_privileges();
+    // The pid of a process that has exited and been reaped.
+    let mut child = std::process::Command::new("true").spawn().expect("run true");
+    child.wait().expect("wait for true");
+    let stale = MountPoint::new(&format!("dpt-{}", child.id()), "bpffs");
+    let out = std::process::Command::new("mount")
+        .args(["-t", "bpf", "bpf"])
+        .arg(stale.path())
+        .output()
+        .expect("run mount");
+    assert!(out.status.success(), "mount bpffs: {}", String::from_utf8_lossy(&out.stderr));
+    std::fs::create_dir(stale.path().join("dpt-pins")).expect("a pin directory in it");
+    assert!(is_mounted(stale.path(), "bpf"));
+    dataplane_tests::sweep_orphans();
+    assert!(
+        !is_mounted(stale.path(), "bpf"),
+        "{} is still mounted after the sweep",
+        stale.path().display()
+    );
+    assert!(!stale.path().exists(), "{} is still there", stale.path().display());
 }

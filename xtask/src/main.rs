@@ -6,6 +6,7 @@ mod build_ebpf;
 mod cmd;
 mod demo;
 mod image;
+mod leftovers;
 mod setup;
 mod test;
 

@@ -6,7 +6,7 @@ use std::{
 
 use anyhow::{Context as _, bail};
 
-use crate::{build_ebpf::nightly_cargo, cmd};
+use crate::{build_ebpf::nightly_cargo, cmd, leftovers::Snapshot};
 
 #[derive(Default)]
 struct Tally {
@@ -46,14 +46,36 @@ pub fn run(cargo_test_args: &[String]) -> anyhow::Result<()> {
             &mut tally,
         )
     })?;
-    step("BPF packet tests and end-to-end tests (privileged)", || {
+    // The privileged tests must leave the machine as they found it.
+    let before = Snapshot::take();
+    let tests = step("BPF packet tests and end-to-end tests (privileged)", || {
         cargo_test(
             cmd::cargo()
                 .args(["test", "--package", "dataplane-tests", "--tests"])
                 .args(cargo_test_args),
             &mut tally,
         )
-    })?;
+    });
+    let clean = step(
+        "nothing left behind (mounts, network namespaces, pins, cgroups)",
+        || {
+            let left = before.leftovers(&Snapshot::take());
+            if left.is_empty() {
+                return Ok(());
+            }
+            for item in &left {
+                eprintln!("left behind: {item}");
+            }
+            bail!(
+                "the privileged tests left {} thing(s) on this machine (listed above): the harness must remove \
+             everything it creates, also after a panic",
+                left.len()
+            )
+        },
+    );
+    // Leftovers are listed either way; a test failure is the first error.
+    tests?;
+    clean?;
     eprintln!("xtask test: all steps passed");
     // The one closing line that sums every cargo test run above.
     println!("{} passed, {} failed", tally.passed, tally.failed);

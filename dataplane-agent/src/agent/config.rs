@@ -145,11 +145,9 @@ pub struct RunConfig {
     /// cgroup v2 directory for connect-time translation of the node's own
     /// processes; `None`: off.
     pub cgroup_path: Option<PathBuf>,
-    /// No cgroup path was given and no cgroup v2 mount is visible (under
-    /// `ip netns exec`, which remounts /sys, for instance): connect-time
-    /// translation is off without having been asked to be, and the agent
-    /// says so.
-    pub cgroup_missing: bool,
+    /// Where `cgroup_path` comes from: given, or chosen among the mounts
+    /// (see `agent::cgroup_mount`), or why there is none.
+    pub cgroup_origin: CgroupOrigin,
     pub socket_lb_host_only: bool,
     /// Translated packets skip the node's IP stack (TC paths).
     pub host_routing: bool,
@@ -197,16 +195,29 @@ pub fn check_cluster_cidrs(cidrs: &[IpCidr]) -> Result<(), String> {
     Ok(())
 }
 
-/// The cgroup v2 mount point (the root cgroup of the node's processes).
-pub fn cgroup2_root() -> Option<PathBuf> {
-    std::fs::read_to_string("/proc/mounts")
-        .ok()?
-        .lines()
-        .find_map(|l| {
-            let mut f = l.split_whitespace().skip(1);
-            let (path, fstype) = (f.next()?, f.next()?);
-            (fstype == "cgroup2").then(|| PathBuf::from(path))
-        })
+/// Where the cgroup of connect-time translation comes from.
+#[derive(Clone, Debug)]
+pub enum CgroupOrigin {
+    /// `--cgroup-path` / `cgroupPath` named a directory.
+    Given,
+    /// `none`: connect-time translation is off, as asked.
+    Off,
+    /// Not given: the system's cgroup v2 mount.
+    Chosen(super::cgroup_mount::Cgroup2Mount),
+    /// Not given and no mount fits: off, without having been asked to be.
+    NotFound(String),
+}
+
+/// `cgroupPath` resolved: the directory (`None`: off) and where it comes from.
+pub fn resolve_cgroup_path(setting: Option<&str>) -> (Option<PathBuf>, CgroupOrigin) {
+    match setting {
+        Some("none") | Some("") => (None, CgroupOrigin::Off),
+        Some(p) => (Some(PathBuf::from(p)), CgroupOrigin::Given),
+        None => match super::cgroup_mount::system_cgroup2_mount() {
+            Ok(m) => (Some(m.path.clone()), CgroupOrigin::Chosen(m)),
+            Err(e) => (None, CgroupOrigin::NotFound(e.to_string())),
+        },
+    }
 }
 
 /// `*` at the end matches any suffix; otherwise exact.

@@ -1,6 +1,7 @@
 //! `dataplane-agent run`: the daemon. Sources feed the object store; the
 //! control loop syncs what changed into the service table and the maps;
 //! health and metrics servers report on it.
+pub mod cgroup_mount;
 pub mod config;
 pub mod control;
 pub mod counters;

@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use tracing::{info, warn};
 
 use super::{
-    config::{RunConfig, Source},
+    config::{CgroupOrigin, RunConfig, Source},
     control::{ControlLoop, Event, Hooks, Timing},
     counters::DatapathCounters,
     feed::{Feed, ManifestFeed},
@@ -215,6 +215,16 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         info!(device = %dev.name, why = %dev.why, kind = ?a.kind, ingress = a.ingress, replaced = a.how == Attached::Replaced, "attached the ingress path and tc_egress");
         dev.ingress = Some(a.ingress);
     }
+    match &cfg.cgroup_origin {
+        CgroupOrigin::Chosen(m) => {
+            let passed_over: Vec<String> = m.passed_over.iter().map(|p| p.display().to_string()).collect();
+            info!(cgroup = %m.path.display(), why = %m.reason, passed_over = ?passed_over, "no --cgroup-path: chose the cgroup v2 mount");
+        }
+        CgroupOrigin::NotFound(why) => warn!(
+            "no --cgroup-path and {why}: host processes get no connect-time translation and reach Services only if their packets pass a pod interface (under `ip netns exec`, which remounts /sys, the system's mount is hidden); pass --cgroup-path (none to silence this)"
+        ),
+        CgroupOrigin::Given | CgroupOrigin::Off => {}
+    }
     if let Some(cgroup) = &cfg.cgroup_path {
         let how = dp.attach_cgroup(cgroup).with_context(|| {
             format!(
@@ -223,10 +233,6 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
             )
         })?;
         info!(cgroup = %cgroup.display(), replaced = how == Attached::Replaced, host_only = cfg.socket_lb_host_only, "attached connect-time translation");
-    } else if cfg.cgroup_missing {
-        warn!(
-            "no cgroup v2 mount is visible (is the agent under `ip netns exec`, which remounts /sys?): host processes get no connect-time translation and reach Services only if their packets pass a pod interface; mount cgroup2 or pass --cgroup-path (none to silence this)"
-        );
     }
     let mut pods = PodInterfaces::new(cfg.pod_interfaces.clone(), cfg.devices.clone());
     pods.set_external_hooks(&external);

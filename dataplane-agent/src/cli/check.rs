@@ -23,7 +23,8 @@ pub struct CheckArgs {
     #[arg(long)]
     pub bpffs_dir: Option<PathBuf>,
     /// The cgroup v2 directory of connect-time translation (as `run
-    /// --cgroup-path`); default: the cgroup2 mount.
+    /// --cgroup-path`); default: the system's cgroup2 mount, chosen as
+    /// `run` chooses it (stray mounts under /run or /tmp are passed over).
     #[arg(long)]
     pub cgroup_path: Option<PathBuf>,
     /// External devices (as `run --devices`); default: those holding

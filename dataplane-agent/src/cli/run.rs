@@ -96,8 +96,9 @@ pub struct RunArgs {
     #[arg(long)]
     pub conntrack_entries: Option<u32>,
     /// cgroup v2 directory whose processes get connect-time translation
-    /// (host-network pods, node daemons): the cgroup2 mount by default,
-    /// `none` to turn it off.
+    /// (host-network pods, node daemons). Default: the system's cgroup2
+    /// mount (/sys/fs/cgroup, /sys/fs/cgroup/unified on hybrid hosts, else
+    /// the first one outside /run and /tmp; logged); `none` turns it off.
     #[arg(long)]
     pub cgroup_path: Option<String>,
     /// Connect-time translation only for sockets in the node's network
@@ -218,7 +219,7 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
         .or(file.log_format)
         .unwrap_or_else(|| "text".into());
     let cgroup_setting = args.cgroup_path.or(file.cgroup_path);
-    let cgroup2_root = agent::config::cgroup2_root();
+    let (cgroup_path, cgroup_origin) = agent::config::resolve_cgroup_path(cgroup_setting.as_deref());
     Ok((
         RunConfig {
             node_name,
@@ -265,12 +266,8 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
                 .conntrack_entries
                 .or(file.conntrack_entries)
                 .unwrap_or(limits::CT_ENTRIES),
-            cgroup_path: match cgroup_setting.as_deref() {
-                Some("none") | Some("") => None,
-                Some(p) => Some(PathBuf::from(p)),
-                None => cgroup2_root.clone(),
-            },
-            cgroup_missing: cgroup_setting.is_none() && cgroup2_root.is_none(),
+            cgroup_path,
+            cgroup_origin,
             socket_lb_host_only: args.socket_lb_host_only || file.socket_lb_host_only.unwrap_or(false),
             host_routing: args.host_routing || file.host_routing.unwrap_or(false),
             xdp_mode: match (args.xdp_mode, file.xdp_mode) {

@@ -531,7 +531,9 @@ fn trace_host(
     dst: SocketAddr,
     proto: Protocol,
 ) -> anyhow::Result<Outcome> {
-    let root = crate::agent::config::cgroup2_root().context("tracing a host process needs cgroup v2")?;
+    let root = crate::agent::cgroup_mount::system_cgroup2_mount()
+        .context("tracing a host process needs cgroup v2")?
+        .path;
     let cgroup = root.join(format!("dataplane-trace-{}", std::process::id()));
     std::fs::create_dir_all(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
     let result = (|| -> anyhow::Result<Outcome> {

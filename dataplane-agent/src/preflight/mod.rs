@@ -335,24 +335,41 @@ fn cgroup(path: Option<PathBuf>) -> Vec<Finding> {
             ),
             Some(format!(
                 "set cgroupPath to the cgroup2 mount ({}), or none",
-                crate::agent::config::cgroup2_root().map_or("none found".into(), |r| r.display().to_string())
+                crate::agent::cgroup_mount::system_cgroup2_mount()
+                    .map_or_else(|e| e.to_string(), |m| m.path.display().to_string())
             )),
         )];
     }
-    let Some(path) = path.or_else(crate::agent::config::cgroup2_root) else {
-        return vec![Finding::new(
-            Severity::Warn,
-            "cgroup",
-            "no cgroup v2 mount: host processes get no connect-time translation (the agent runs without it)"
-                .into(),
-            Some("mount cgroup2 (mount -t cgroup2 none /sys/fs/cgroup), or pass --cgroup-path".into()),
-        )];
+    let (path, how) = match path {
+        Some(p) => (p, "given".to_owned()),
+        None => match crate::agent::cgroup_mount::system_cgroup2_mount() {
+            Ok(m) => {
+                let passed = if m.passed_over.is_empty() {
+                    String::new()
+                } else {
+                    let list: Vec<String> = m.passed_over.iter().map(|p| p.display().to_string()).collect();
+                    format!("; passed over: {}", list.join(", "))
+                };
+                (m.path, format!("chosen: {}{passed}", m.reason))
+            }
+            Err(e) => {
+                return vec![Finding::new(
+                    Severity::Warn,
+                    "cgroup",
+                    format!("{e}: host processes get no connect-time translation (the agent runs without it)"),
+                    Some(
+                        "mount cgroup2 at /sys/fs/cgroup (mount -t cgroup2 none /sys/fs/cgroup), or pass --cgroup-path"
+                            .into(),
+                    ),
+                )];
+            }
+        },
     };
     let mut out = vec![Finding::new(
         Severity::Ok,
         "cgroup",
         format!(
-            "cgroup v2 at {}: connect-time translation attaches there",
+            "cgroup v2 at {} ({how}): connect-time translation attaches there",
             path.display()
         ),
         None,
