@@ -9,11 +9,19 @@ use std::path::{Path, PathBuf};
 pub const BPFFS_ROOT: &str = "/run/dataplane-tests/bpffs";
 
 /// Mounts bpffs at [`BPFFS_ROOT`] when it is not mounted yet.
+///
+/// Under a lock shared by every test thread and process: two that both find
+/// it unmounted would otherwise both mount it, the second on top of the
+/// first, hiding what the first had already pinned there (leaked until
+/// unmounted).
 pub fn ensure_bpffs() {
+    std::fs::create_dir_all(BPFFS_ROOT).expect("create the sandbox bpffs mount point");
+    let lock = std::fs::File::create(Path::new(BPFFS_ROOT).with_extension("lock"))
+        .expect("create the bpffs mount lock");
+    lock.lock().expect("take the bpffs mount lock");
     if bpffs_mounted() {
         return;
     }
-    std::fs::create_dir_all(BPFFS_ROOT).expect("create the sandbox bpffs mount point");
     let out = std::process::Command::new("mount")
         .args(["-t", "bpf", "bpf", BPFFS_ROOT])
         .output()
