@@ -24,7 +24,10 @@ use crate::{
         config::NodePortAddresses,
         sync::{Syncer, node_context},
     },
-    dataplane::{AbiAddr, Datapath, DatapathConfig, FamilyMaps, LbMaps, LoadOptions},
+    dataplane::{
+        AbiAddr, DatapathConfig, FamilyMaps, LbMaps, LoadOptions,
+        trace_cache::{self, Origin, TraceCacheError, TraceDatapath},
+    },
     k8s::{manifests, store::Store},
     net::{IpCidr, Protocol},
     state::table::MapTable,
@@ -75,6 +78,16 @@ pub struct TraceArgs {
     pub live: bool,
     #[arg(long, default_value = "/sys/fs/bpf/dataplane")]
     pub bpffs_dir: PathBuf,
+    /// Where the verified programs are kept between traces (bpffs; removed
+    /// by `cleanup`).
+    #[arg(long, default_value = trace_cache::DEFAULT_TRACE_CACHE_DIR)]
+    pub cache_dir: PathBuf,
+    /// Load and verify the programs for this trace alone: nothing is kept.
+    #[arg(long)]
+    pub no_cache: bool,
+    /// Also say (on stderr) where the programs came from and what it cost.
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
 }
 
 const XDP_DROP: u32 = 1;
@@ -128,23 +141,23 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     if !matches!(args.from.as_str(), "external" | "pod" | "host") {
         bail!("--from {}: expected external, pod or host", args.from);
     }
-    let mut dp = Datapath::load_with(&LoadOptions {
-        max_services: 65_536,
-        max_backends: 131_072,
-        max_service_entries: 524_288,
-        ct_entries: 4096,
-        affinity_entries: 1024,
-        ipv6: true,
-    })
-    .context("loading a private copy of the datapath (needs root or CAP_BPF)")?;
+    // Bad input is refused before the datapath costs anything.
+    let objects = if args.live {
+        None
+    } else {
+        Some(manifests::load(&args.manifests).context("cannot use --manifests")?)
+    };
+    let mut dp = open_datapath(&args)?;
+    if args.verbose {
+        describe(&dp);
+    }
     let mut config = DatapathConfig::for_node(&args.node_ip);
     config.set_cidrs(&args.cluster_cidr, &args.service_cidr);
     config.masquerade_all = args.masquerade_all;
     dp.maps_mut().set_config(&config)?;
-    let names = if args.live {
-        copy_live(&args.bpffs_dir, dp.maps_mut())?
-    } else {
-        program_from_manifests(&args, dp.maps_mut())?
+    let names = match objects {
+        None => copy_live(&args.bpffs_dir, dp.maps_mut())?,
+        Some(objects) => program_from_manifests(&args, objects, dp.maps_mut())?,
     };
     let outcome = match args.from.as_str() {
         "host" => trace_host(&mut dp, src, args.dst, proto)?,
@@ -197,6 +210,66 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Map sizes of the private copy: room for a large node's table (`--live`).
+const TRACE_MAPS: LoadOptions = LoadOptions {
+    max_services: 65_536,
+    max_backends: 131_072,
+    max_service_entries: 524_288,
+    ct_entries: 4096,
+    affinity_entries: 1024,
+    ipv6: true,
+};
+
+/// The private datapath: from the cache (loading what it lacks), or loaded
+/// for this trace alone with `--no-cache` or when the cache cannot be used.
+fn open_datapath(args: &TraceArgs) -> anyhow::Result<TraceDatapath> {
+    const LOADING: &str = "loading a private copy of the datapath (needs root or CAP_BPF)";
+    let programs = trace_cache::needed_programs(&args.from);
+    if args.no_cache {
+        return TraceDatapath::load(&TRACE_MAPS, programs).context(LOADING);
+    }
+    match TraceDatapath::open_cached(&TRACE_MAPS, programs, &args.cache_dir) {
+        Ok(dp) => Ok(dp),
+        // The programs themselves failed: without the cache they would too.
+        Err(TraceCacheError::Datapath(e)) => Err(anyhow::Error::new(e).context(LOADING)),
+        Err(e) => {
+            eprintln!(
+                "warning: the trace cache at {} cannot be used ({e}): loading the programs for this trace \
+                 alone (--no-cache skips the cache)",
+                args.cache_dir.display()
+            );
+            TraceDatapath::load(&TRACE_MAPS, programs).context(LOADING)
+        }
+    }
+}
+
+/// `--verbose`: where the programs came from, and what it cost.
+fn describe(dp: &TraceDatapath) {
+    let r = dp.report();
+    for e in &r.invalidated {
+        eprintln!("trace cache: removed {} (another agent build's)", e.display());
+    }
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+    match &r.origin {
+        Origin::Loaded { programs } => eprintln!(
+            "trace cache: not used; loaded and verified {} in {:.0} ms",
+            programs.join(", "),
+            ms(r.load)
+        ),
+        Origin::Cached { entry } => eprintln!(
+            "trace cache: reused the verified programs pinned under {} ({:.1} ms to open and empty)",
+            entry.display(),
+            ms(r.reuse)
+        ),
+        Origin::Built { entry, verified } => eprintln!(
+            "trace cache: loaded and verified {} in {:.0} ms, pinned under {} for the next trace",
+            verified.join(", "),
+            ms(r.load),
+            entry.display()
+        ),
+    }
+}
+
 fn explain(e: Event) -> String {
     match e {
         Event::NewFlow => "new flow: backend chosen, translated".into(),
@@ -216,8 +289,11 @@ fn explain(e: Event) -> String {
 
 /// service ids → `namespace/name:port`, from the manifests, through `run`'s
 /// own sync.
-fn program_from_manifests(args: &TraceArgs, maps: &mut LbMaps) -> anyhow::Result<Vec<(u32, String)>> {
-    let objects = manifests::load(&args.manifests).context("cannot use --manifests")?;
+fn program_from_manifests(
+    args: &TraceArgs,
+    objects: manifests::Objects,
+    maps: &mut LbMaps,
+) -> anyhow::Result<Vec<(u32, String)>> {
     for p in &objects.problems {
         eprintln!("warning: {p}");
     }
@@ -434,7 +510,7 @@ fn snapshot(maps: &LbMaps, hook: Hook) -> Vec<(Event, u64)> {
 }
 
 fn trace_packet(
-    dp: &Datapath,
+    dp: &TraceDatapath,
     from: &str,
     src: SocketAddr,
     dst: SocketAddr,
@@ -455,7 +531,7 @@ fn trace_packet(
         ..Default::default()
     };
     let r = if from == "external" {
-        dp.xdp()?.test_run(opts)?
+        dp.xdp(names::XDP_INGRESS)?.test_run(opts)?
     } else {
         dp.tc(program)?.test_run(opts)?
     };
@@ -526,7 +602,7 @@ fn trace_packet(
 /// socket connects in a throwaway network namespace (the hook runs before
 /// routing; nothing leaves).
 fn trace_host(
-    dp: &mut Datapath,
+    dp: &mut TraceDatapath,
     src: SocketAddr,
     dst: SocketAddr,
     proto: Protocol,
