@@ -267,3 +267,55 @@ fn the_cache_is_refused_inside_an_agents_pin_directory() {
     assert_eq!(t.json["verdict"], "forward", "{}", t.json);
     assert!(!cache.exists(), "nothing created among the agent's pins");
 }
+
+/// The cached copy's services maps are smaller than the agent's (it stays
+/// in kernel memory): a table that does not fit (one Service of 4096
+/// endpoints on 18 frontends: over 70,000 entries) is traced on a full-size copy
+/// loaded for that trace alone, with the same answer a fitting one gets.
+#[test]
+fn a_table_larger_than_the_cached_copy_is_traced_on_a_full_size_copy() {
+    dataplane_tests::require_privileges();
+    let prefix = dataplane_tests::unique_prefix();
+    let bpffs = BpffsDir::new(&format!("{prefix}-trace-cache-large"));
+    let cache = bpffs.path().join("cache");
+    let endpoints: Vec<String> = (0..4096)
+        .map(|i| {
+            format!(
+                "{{addresses: [10.244.{}.{}], nodeName: node2}}",
+                i / 250,
+                i % 250 + 1
+            )
+        })
+        .collect();
+    let external_ips: Vec<String> = (1..=16).map(|i| format!("198.51.100.{i}")).collect();
+    let yaml = service(&endpoints.join(", ")).replace(
+        "spec: {type: NodePort,",
+        &format!(
+            "spec: {{externalIPs: [{}], type: NodePort,",
+            external_ips.join(", ")
+        ),
+    );
+    let manifests = ManifestDir::new(&format!("{prefix}-trace-cache-large"));
+    manifests.write("large.yaml", &yaml);
+    let t = trace(
+        manifests.path(),
+        &["--cache-dir", cache.to_str().unwrap()],
+        "external",
+        "203.0.113.7",
+        "198.51.100.16:80",
+    );
+    assert!(
+        t.stderr.contains("tracing on a full-size copy") && t.stderr.contains("not used"),
+        "{}",
+        t.stderr
+    );
+    assert_eq!(t.json["verdict"], "forward", "{}", t.json);
+    assert_eq!(t.json["service"], "default/web:http");
+    let backend = t.json["backend"].as_str().expect("a backend");
+    assert!(
+        endpoints
+            .iter()
+            .any(|e| e.contains(&format!("[{}]", backend.trim_end_matches(":8080")))),
+        "{backend} is one of the endpoints"
+    );
+}

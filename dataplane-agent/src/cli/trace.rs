@@ -147,17 +147,16 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     } else {
         Some(manifests::load(&args.manifests).context("cannot use --manifests")?)
     };
-    let mut dp = open_datapath(&args)?;
-    if args.verbose {
-        describe(&dp);
-    }
-    let mut config = DatapathConfig::for_node(&args.node_ip);
-    config.set_cidrs(&args.cluster_cidr, &args.service_cidr);
-    config.masquerade_all = args.masquerade_all;
-    dp.maps_mut().set_config(&config)?;
-    let names = match objects {
-        None => copy_live(&args.bpffs_dir, dp.maps_mut())?,
-        Some(objects) => program_from_manifests(&args, objects, dp.maps_mut())?,
+    let (mut dp, names) = match prepare(&args, &CACHED_MAPS, !args.no_cache, objects.clone())? {
+        Some(ready) => ready,
+        None => {
+            eprintln!(
+                "note: the table has more than the {} services-map entries the cached copy holds: tracing \
+                 on a full-size copy loaded for this trace alone",
+                CACHED_MAPS.max_service_entries
+            );
+            prepare(&args, &FULL_MAPS, false, objects)?.expect("the full-size copy holds any table")
+        }
     };
     let outcome = match args.from.as_str() {
         "host" => trace_host(&mut dp, src, args.dst, proto)?,
@@ -210,8 +209,9 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Map sizes of the private copy: room for a large node's table (`--live`).
-const TRACE_MAPS: LoadOptions = LoadOptions {
+/// Map sizes of a copy loaded for one trace: the agent's defaults, room for
+/// any table a node with default limits holds (`--live`).
+const FULL_MAPS: LoadOptions = LoadOptions {
     max_services: 65_536,
     max_backends: 131_072,
     max_service_entries: 524_288,
@@ -220,15 +220,66 @@ const TRACE_MAPS: LoadOptions = LoadOptions {
     ipv6: true,
 };
 
+/// The cached copy stays in kernel memory between traces: its services
+/// maps (preallocated hashes, most of a copy's memory) are an eighth of the
+/// full size. A table that does not fit is traced on a [`FULL_MAPS`] copy.
+const CACHED_MAPS: LoadOptions = LoadOptions {
+    max_service_entries: 65_536,
+    ..FULL_MAPS
+};
+
+/// Service ids → `namespace/name:port`.
+type ServiceNames = Vec<(u32, String)>;
+
+/// Opens the private datapath (`opts`; from the cache when `cached`), sets
+/// its configuration and programs the table (`objects`, or the live one
+/// under --bpffs-dir): the datapath and the service names by id, or `None`
+/// when the table does not fit.
+fn prepare(
+    args: &TraceArgs,
+    opts: &LoadOptions,
+    cached: bool,
+    objects: Option<manifests::Objects>,
+) -> anyhow::Result<Option<(TraceDatapath, ServiceNames)>> {
+    let live = match objects {
+        Some(_) => None,
+        None => {
+            let (live, notes) = LbMaps::open_pins(&args.bpffs_dir)
+                .with_context(|| format!("opening the maps pinned under {}", args.bpffs_dir.display()))?;
+            if live.service_entries()? > opts.max_service_entries as usize {
+                return Ok(None);
+            }
+            Some((live, notes))
+        }
+    };
+    let mut dp = open_datapath(args, opts, cached)?;
+    if args.verbose {
+        describe(&dp);
+    }
+    let mut config = DatapathConfig::for_node(&args.node_ip);
+    config.set_cidrs(&args.cluster_cidr, &args.service_cidr);
+    config.masquerade_all = args.masquerade_all;
+    dp.maps_mut().set_config(&config)?;
+    let names = match (live, objects) {
+        (Some((live, notes)), _) => copy_live(&live, &notes, dp.maps_mut())?,
+        (None, Some(objects)) => match program_from_manifests(args, objects, dp.maps_mut())? {
+            Some(names) => names,
+            None => return Ok(None),
+        },
+        (None, None) => unreachable!("either the live table or manifests"),
+    };
+    Ok(Some((dp, names)))
+}
+
 /// The private datapath: from the cache (loading what it lacks), or loaded
 /// for this trace alone with `--no-cache` or when the cache cannot be used.
-fn open_datapath(args: &TraceArgs) -> anyhow::Result<TraceDatapath> {
+fn open_datapath(args: &TraceArgs, opts: &LoadOptions, cached: bool) -> anyhow::Result<TraceDatapath> {
     const LOADING: &str = "loading a private copy of the datapath (needs root or CAP_BPF)";
     let programs = trace_cache::needed_programs(&args.from);
-    if args.no_cache {
-        return TraceDatapath::load(&TRACE_MAPS, programs).context(LOADING);
+    if !cached {
+        return TraceDatapath::load(opts, programs).context(LOADING);
     }
-    match TraceDatapath::open_cached(&TRACE_MAPS, programs, &args.cache_dir) {
+    match TraceDatapath::open_cached(opts, programs, &args.cache_dir) {
         Ok(dp) => Ok(dp),
         // The programs themselves failed: without the cache they would too.
         Err(TraceCacheError::Datapath(e)) => Err(anyhow::Error::new(e).context(LOADING)),
@@ -238,7 +289,7 @@ fn open_datapath(args: &TraceArgs) -> anyhow::Result<TraceDatapath> {
                  alone (--no-cache skips the cache)",
                 args.cache_dir.display()
             );
-            TraceDatapath::load(&TRACE_MAPS, programs).context(LOADING)
+            TraceDatapath::load(opts, programs).context(LOADING)
         }
     }
 }
@@ -288,12 +339,13 @@ fn explain(e: Event) -> String {
 }
 
 /// service ids → `namespace/name:port`, from the manifests, through `run`'s
-/// own sync.
+/// own sync; `None` when some of the table could not be written (the maps
+/// are too small for it).
 fn program_from_manifests(
     args: &TraceArgs,
     objects: manifests::Objects,
     maps: &mut LbMaps,
-) -> anyhow::Result<Vec<(u32, String)>> {
+) -> anyhow::Result<Option<ServiceNames>> {
     for p in &objects.problems {
         eprintln!("warning: {p}");
     }
@@ -313,22 +365,25 @@ fn program_from_manifests(
     let node = node_context(&args.node_ip, &args.node_port_addresses, &local);
     let mut syncer = Syncer::adopt(&MapTable::default(), &args.node_name, 65_536, 131_072);
     let report = syncer.sync(&mut store, &node, maps);
+    let (_, _, capacity) = maps.capacities();
+    if report.failed_ops > 0 && capacity < FULL_MAPS.max_service_entries {
+        return Ok(None);
+    }
     for p in &report.problems {
         eprintln!("warning: {p}");
     }
-    Ok(maps
-        .service_names()?
-        .into_iter()
-        .map(|(id, n)| (id, n.to_string()))
-        .collect())
+    Ok(Some(
+        maps.service_names()?
+            .into_iter()
+            .map(|(id, n)| (id, n.to_string()))
+            .collect(),
+    ))
 }
 
-/// Copies a running agent's table into the private maps (the live maps are
-/// only read).
-fn copy_live(dir: &std::path::Path, maps: &mut LbMaps) -> anyhow::Result<Vec<(u32, String)>> {
-    let (live, notes) =
-        LbMaps::open_pins(dir).with_context(|| format!("opening the maps pinned under {}", dir.display()))?;
-    for n in &notes {
+/// Copies a running agent's table (`live`, opened from its pins) into the
+/// private maps: the live maps are only read.
+fn copy_live(live: &LbMaps, notes: &[String], maps: &mut LbMaps) -> anyhow::Result<ServiceNames> {
+    for n in notes {
         eprintln!("note: {n}");
     }
     let table = live.read_table()?;

@@ -182,6 +182,17 @@ impl<A: AbiAddr> FamilyMaps<A> {
     }
 
     /// (conntrack, affinity) entries, counted in batches.
+    /// Entries of the services map (frontends and their slots).
+    pub(super) fn service_entries(&self) -> Result<usize, DatapathError> {
+        let fd = IterableMap::<LbServiceKey<A>, _>::map(&self.services)
+            .fd()
+            .as_fd();
+        batch::count::<LbServiceKey<A>, Lb4Service>(fd).map_err(|source| DatapathError::Batch {
+            name: A::SERVICES,
+            source,
+        })
+    }
+
     pub(super) fn counts(&self) -> (usize, usize) {
         let ct = batch::count::<CtKey<A>, CtEntry<A>>(self.ct_fd()).unwrap_or(0);
         let affinity = batch::count::<AffinityKey<A>, Lb4AffinityValue>(self.affinity_fd()).unwrap_or(0);
