@@ -454,3 +454,53 @@ fn reset_map(map: &MapData) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_key_names_the_object_and_the_sizes() {
+        let opts = LoadOptions::default();
+        let key = cache_key(&opts);
+        assert!(is_entry_name(&key), "{key}");
+        assert_eq!(cache_key(&opts), key, "the same object and sizes: the same entry");
+        let other = LoadOptions {
+            max_service_entries: opts.max_service_entries / 8,
+            ..opts
+        };
+        assert_ne!(cache_key(&other), key, "other sizes: another entry");
+    }
+
+    /// Only directories named like an entry go: whatever else lives in the
+    /// cache directory stays.
+    #[test]
+    fn removing_entries_leaves_everything_else() {
+        let dir = std::env::temp_dir().join(format!("dp-trace-cache-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for d in [
+            "0123456789abcdef/maps",
+            "fedcba9876543210/programs",
+            "dataplane/maps",
+            "0123",
+        ] {
+            std::fs::create_dir_all(dir.join(d)).unwrap();
+        }
+        std::fs::write(dir.join("abcdefabcdefabcd"), b"a file, not an entry").unwrap();
+        let mut removed = remove_entries(&dir, Some("fedcba9876543210")).unwrap();
+        removed.sort();
+        assert_eq!(removed, vec![dir.join("0123456789abcdef")]);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            ["0123", "abcdefabcdefabcd", "dataplane", "fedcba9876543210"]
+        );
+        assert_eq!(remove_cache(&dir).unwrap(), vec![dir.join("fedcba9876543210")]);
+        assert!(dir.exists(), "not removed while something else is in it");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
