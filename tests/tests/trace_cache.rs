@@ -73,25 +73,24 @@ fn answer(t: &Traced) -> serde_json::Value {
     v
 }
 
-/// The pins under the cache's entries: `KEY/programs/NAME`, `KEY/maps/NAME`.
+/// The pins under the cache's entries: `KEY/programs/PATH/NAME`,
+/// `KEY/maps/NAME`.
 fn pins(cache: &Path) -> Vec<String> {
-    let mut out = Vec::new();
-    let Ok(entries) = std::fs::read_dir(cache) else {
-        return out;
-    };
-    for entry in entries.flatten() {
-        for sub in ["programs", "maps"] {
-            if let Ok(files) = std::fs::read_dir(entry.path().join(sub)) {
-                for f in files.flatten() {
-                    out.push(format!(
-                        "{}/{sub}/{}",
-                        entry.file_name().to_string_lossy(),
-                        f.file_name().to_string_lossy()
-                    ));
-                }
+    fn walk(dir: &Path, rel: &str, out: &mut Vec<String>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = format!("{rel}{}", e.file_name().to_string_lossy());
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                walk(&e.path(), &format!("{name}/"), out);
+            } else {
+                out.push(name);
             }
         }
     }
+    let mut out = Vec::new();
+    walk(cache, "", &mut out);
     out.sort();
     out
 }
@@ -140,12 +139,13 @@ fn a_second_trace_reuses_the_cached_programs_and_answers_the_same() {
         .to_owned();
     for program in ["xdp_ingress", "tc_egress"] {
         assert!(
-            pinned.contains(&format!("{key}/programs/{program}")),
+            pinned.contains(&format!("{key}/programs/external/{program}")),
             "{program} pinned: {pinned:?}"
         );
     }
-    assert!(
-        !pinned.iter().any(|p| p.ends_with("/programs/tc_pod_ingress")),
+    assert_eq!(
+        pinned.iter().filter(|p| p.contains("/programs/")).count(),
+        2,
         "only the programs the packet's path needs are verified: {pinned:?}"
     );
     assert!(pinned.contains(&format!("{key}/maps/CT4_V2")), "{pinned:?}");
@@ -179,16 +179,47 @@ fn a_second_trace_reuses_the_cached_programs_and_answers_the_same() {
         &service("{addresses: [10.244.2.10], nodeName: node2}"),
     );
 
-    // Another path adds its own program to the entry, the rest is reused.
+    // Another path adds its own programs to the entry (loaded together, as
+    // the agent loads them), sharing its maps.
     let pod = trace(manifests.path(), &cache_arg, "pod", "10.244.1.5", "10.96.0.10:80");
     assert!(
-        pod.stderr.contains("loaded and verified tc_pod_ingress in"),
-        "only tc_pod_ingress is verified: {}",
+        pod.stderr
+            .contains("loaded and verified tc_pod_ingress, tc_egress in"),
+        "the pod path's programs are verified: {}",
         pod.stderr
     );
     assert_eq!(pod.json["verdict"], "forward", "{}", pod.json);
     assert_eq!(pod.json["snat"], false);
-    assert!(pins(&cache).contains(&format!("{key}/programs/tc_pod_ingress")));
+    let with_pod = pins(&cache);
+    assert!(
+        with_pod.contains(&format!("{key}/programs/pod/tc_pod_ingress")),
+        "{with_pod:?}"
+    );
+    assert_eq!(
+        with_pod.iter().filter(|p| p.contains("/maps/")).count(),
+        pinned.iter().filter(|p| p.contains("/maps/")).count(),
+        "the maps are shared: {with_pod:?}"
+    );
+    let pod_again = trace(manifests.path(), &cache_arg, "pod", "10.244.1.5", "10.96.0.10:80");
+    assert!(
+        pod_again.stderr.contains("reused the verified programs"),
+        "{}",
+        pod_again.stderr
+    );
+    assert_eq!(answer(&pod_again), answer(&pod));
+
+    // A path whose programs are only partly pinned (an interrupted load)
+    // loads them all again.
+    std::fs::remove_file(cache.join(&key).join("programs/pod/tc_egress")).expect("remove a program pin");
+    let pod_reloaded = trace(manifests.path(), &cache_arg, "pod", "10.244.1.5", "10.96.0.10:80");
+    assert!(
+        pod_reloaded
+            .stderr
+            .contains("loaded and verified tc_pod_ingress, tc_egress in"),
+        "{}",
+        pod_reloaded.stderr
+    );
+    assert_eq!(answer(&pod_reloaded), answer(&pod));
 
     // An entry missing a map is rebuilt, not half used.
     std::fs::remove_file(cache.join(&key).join("maps").join("CT4_V2")).expect("remove a map pin");

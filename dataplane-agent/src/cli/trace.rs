@@ -275,11 +275,10 @@ fn prepare(
 /// for this trace alone with `--no-cache` or when the cache cannot be used.
 fn open_datapath(args: &TraceArgs, opts: &LoadOptions, cached: bool) -> anyhow::Result<TraceDatapath> {
     const LOADING: &str = "loading a private copy of the datapath (needs root or CAP_BPF)";
-    let programs = trace_cache::needed_programs(&args.from);
     if !cached {
-        return TraceDatapath::load(opts, programs).context(LOADING);
+        return TraceDatapath::load(opts, &args.from).context(LOADING);
     }
-    match TraceDatapath::open_cached(opts, programs, &args.cache_dir) {
+    match TraceDatapath::open_cached(opts, &args.from, &args.cache_dir) {
         Ok(dp) => Ok(dp),
         // The programs themselves failed: without the cache they would too.
         Err(TraceCacheError::Datapath(e)) => Err(anyhow::Error::new(e).context(LOADING)),
@@ -289,7 +288,7 @@ fn open_datapath(args: &TraceArgs, opts: &LoadOptions, cached: bool) -> anyhow::
                  alone (--no-cache skips the cache)",
                 args.cache_dir.display()
             );
-            TraceDatapath::load(opts, programs).context(LOADING)
+            TraceDatapath::load(opts, &args.from).context(LOADING)
         }
     }
 }

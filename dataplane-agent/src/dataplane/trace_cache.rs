@@ -5,9 +5,15 @@
 //! (seconds for the packet programs); running one packet through them costs
 //! microseconds. So a trace loads only the programs its packet's path needs
 //! ([`needed_programs`]) and pins them, with every map they use, under
-//! `<cache dir>/<key>/` (`programs/<name>`, `maps/<MAP>`); the next trace
-//! opens them from the pins instead of verifying them again, and starts
-//! from maps emptied to what a fresh load has ([`reset_maps`]).
+//! `<cache dir>/<key>/` (`programs/<path>/<name>`, `maps/<MAP>`); the next
+//! trace opens them from the pins instead of verifying them again, and
+//! starts from maps emptied to what a fresh load has ([`reset_maps`]).
+//!
+//! The programs of one path (`external`, `pod`, `host`) are loaded
+//! together, as the agent loads all of its own: they share every map of the
+//! object and the load-time clock constants (`tc_egress` reads the
+//! conntrack entries `xdp_ingress` stamped). Paths share the pinned maps,
+//! never programs: a program two paths run is verified once for each.
 //!
 //! The key is a hash of the embedded object and the map sizes: another
 //! agent build is another key, and opening the cache removes the entries of
@@ -98,7 +104,8 @@ pub enum Origin {
     Loaded { programs: Vec<&'static str> },
     /// Every program from the cache entry `entry`.
     Cached { entry: PathBuf },
-    /// `verified` loaded now and added to `entry` (the rest came from it).
+    /// The path's programs (`verified`) loaded now and added to `entry`
+    /// (its maps, when there, came from it).
     Built {
         entry: PathBuf,
         verified: Vec<&'static str>,
@@ -140,8 +147,10 @@ pub struct TraceDatapath {
 }
 
 impl TraceDatapath {
-    /// Loads the `programs` with private maps (nothing pinned).
-    pub fn load(opts: &LoadOptions, programs: &[&'static str]) -> Result<Self, DatapathError> {
+    /// Loads the programs of the path `path` ([`needed_programs`]) with
+    /// private maps (nothing pinned).
+    pub fn load(opts: &LoadOptions, path: &str) -> Result<Self, DatapathError> {
+        let programs = needed_programs(path);
         let started = Instant::now();
         let dp = Datapath::load_programs(opts, None, programs)?;
         Ok(Self {
@@ -158,13 +167,11 @@ impl TraceDatapath {
         })
     }
 
-    /// The `programs` from the cache under `dir` (bpffs), loaded and added
-    /// to it first when they are not there; the maps emptied.
-    pub fn open_cached(
-        opts: &LoadOptions,
-        programs: &[&'static str],
-        dir: &Path,
-    ) -> Result<Self, TraceCacheError> {
+    /// The programs of the path `path` ([`needed_programs`]) from the cache
+    /// under `dir` (bpffs), loaded and added to it first when they are not
+    /// there; the maps emptied.
+    pub fn open_cached(opts: &LoadOptions, path: &str, dir: &Path) -> Result<Self, TraceCacheError> {
+        let programs = needed_programs(path);
         if dir.ancestors().any(PinDir::is_pin_dir) {
             return Err(TraceCacheError::InsideAgentPins(dir.to_owned()));
         }
@@ -192,20 +199,24 @@ impl TraceDatapath {
         if entry.exists() && !names::ALL_MAPS.iter().all(|m| maps_dir.join(m).exists()) {
             std::fs::remove_dir_all(&entry).map_err(io("removing the incomplete entry", &entry))?;
         }
-        let programs_dir = entry.join("programs");
-        let missing: Vec<&'static str> = programs
-            .iter()
-            .copied()
-            .filter(|p| !programs_dir.join(p).exists())
-            .collect();
+        let programs_dir = entry.join("programs").join(path);
+        let complete = programs.iter().all(|p| programs_dir.join(p).exists());
         let started = Instant::now();
-        if !missing.is_empty() {
+        if !complete {
             std::fs::create_dir_all(&maps_dir).map_err(io("creating", &maps_dir))?;
+            // A path's programs come from one load: what is left of an
+            // interrupted one goes.
+            match std::fs::remove_dir_all(&programs_dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io("removing", &programs_dir)(e));
+                }
+                _ => {}
+            }
             std::fs::create_dir_all(&programs_dir).map_err(io("creating", &programs_dir))?;
-            // Maps already pinned in the entry are reused: the programs
-            // there and the new ones share them.
-            let mut dp = Datapath::load_programs(opts, Some(PinDir::open(&entry)?), &missing)?;
-            for p in &missing {
+            // Maps already pinned in the entry are reused: the other paths'
+            // programs and these share them.
+            let mut dp = Datapath::load_programs(opts, Some(PinDir::open(&entry)?), programs)?;
+            for p in programs {
                 dp.pin_program(p, &programs_dir.join(p))?;
             }
         }
@@ -230,12 +241,12 @@ impl TraceDatapath {
             }
         }
         let reuse = started.elapsed();
-        let origin = if missing.is_empty() {
+        let origin = if complete {
             Origin::Cached { entry }
         } else {
             Origin::Built {
                 entry,
-                verified: missing,
+                verified: programs.to_vec(),
             }
         };
         Ok(Self {
