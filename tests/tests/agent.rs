@@ -751,44 +751,57 @@ fn inspect_and_trace_read_a_running_agent_and_a_stopped_one() {
     let again = inspect(&s, 0, &["services"]);
     assert_eq!(again["services"].as_array().unwrap().len(), rows.len());
 
-    // trace --live copies the pinned table (read-only) into a private datapath.
+    // trace --live copies the pinned table (read-only) into a private
+    // datapath: loaded and verified, then reopened from the trace cache (in
+    // the sandbox's bpffs, removed with it); neither writes the live maps.
     let pins = s.cluster.bpffs.path().join("node1");
+    let cache = s.cluster.bpffs.path().join("trace-cache");
     let before = inspect(&s, 0, &["conntrack"])["total"].clone();
-    let out = std::process::Command::new(BIN)
-        .args(["trace", "--live", "--bpffs-dir"])
-        .arg(&pins)
-        .args([
-            "--node-name",
-            "node1",
-            "--node-ip",
-            &s.cluster.nodes[0].ip().to_string(),
-        ])
-        .args([
-            "--cluster-cidr",
-            "10.244.0.0/16",
-            "--from",
-            "external",
-            "--src",
-            "203.0.113.9",
-        ])
-        .args(["--dst", &dst.to_string(), "--proto", "tcp", "-o", "json"])
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    let t: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(t["verdict"], "forward");
-    assert_eq!(
-        t["backend"],
-        format!("{}:8080", s.cluster.pod("a").ip).as_str(),
-        "the local endpoint"
-    );
-    assert_eq!(t["snat"], false);
-    assert_eq!(t["service"], "default/web:p");
-    assert_eq!(
-        inspect(&s, 0, &["conntrack"])["total"],
-        before,
-        "the live maps were not written"
-    );
+    let live_trace = || {
+        let out = std::process::Command::new(BIN)
+            .args(["trace", "--live", "--verbose", "--bpffs-dir"])
+            .arg(&pins)
+            .arg("--cache-dir")
+            .arg(&cache)
+            .args([
+                "--node-name",
+                "node1",
+                "--node-ip",
+                &s.cluster.nodes[0].ip().to_string(),
+            ])
+            .args([
+                "--cluster-cidr",
+                "10.244.0.0/16",
+                "--from",
+                "external",
+                "--src",
+                "203.0.113.9",
+            ])
+            .args(["--dst", &dst.to_string(), "--proto", "tcp", "-o", "json"])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        let t: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(t["verdict"], "forward");
+        assert_eq!(
+            t["backend"],
+            format!("{}:8080", s.cluster.pod("a").ip).as_str(),
+            "the local endpoint"
+        );
+        assert_eq!(t["snat"], false);
+        assert_eq!(t["service"], "default/web:p");
+        assert_eq!(
+            inspect(&s, 0, &["conntrack"])["total"],
+            before,
+            "the live maps were not written"
+        );
+        stderr
+    };
+    let cold = live_trace();
+    assert!(cold.contains("loaded and verified"), "{cold}");
+    let warm = live_trace();
+    assert!(warm.contains("reused the verified programs"), "{warm}");
 }
 
 /// kube-proxy keeps established TCP flows to an endpoint that leaves its

@@ -109,8 +109,9 @@ struct Job<'a> {
     objects: PathBuf,
 }
 
-/// Runs one flow through `trace`; the problems found, if any.
-fn check(job: &Job) -> Option<String> {
+/// Runs one flow through `trace` (the programs from the suite's own cache
+/// at `cache`); the problems found, if any.
+fn check(job: &Job, cache: &std::path::Path) -> Option<String> {
     let (node, f) = (job.node, job.flow);
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_agent"));
     cmd.arg("trace")
@@ -121,7 +122,9 @@ fn check(job: &Job) -> Option<String> {
         .args(["--node-port-addresses", &node.node_port_addresses])
         .args([
             "--from", &f.from, "--src", &f.src, "--dst", &f.dst, "--proto", &f.proto, "-o", "json",
-        ]);
+        ])
+        .arg("--cache-dir")
+        .arg(cache);
     // No cluster CIDR: kube-proxy without a local traffic detector.
     if !node.cluster_cidr.is_empty() {
         cmd.args(["--cluster-cidr", &node.cluster_cidr]);
@@ -202,8 +205,12 @@ fn conformance_scenarios() {
             }));
         }
     }
-    // Each trace loads and verifies the programs (about a second of kernel
-    // time): one worker per CPU.
+    // The programs are verified once, by the first trace of each path, and
+    // kept in a cache of the suite's own (removed on drop, also after a
+    // panic); traces take turns on it.
+    let bpffs =
+        dataplane_tests::bpffs::BpffsDir::new(&format!("{}-conformance", dataplane_tests::unique_prefix()));
+    let cache = bpffs.path().join("trace-cache");
     let workers = std::thread::available_parallelism().map_or(2, |n| n.get());
     let next = std::sync::atomic::AtomicUsize::new(0);
     let mut failures: Vec<String> = std::thread::scope(|scope| {
@@ -214,7 +221,7 @@ fn conformance_scenarios() {
                     loop {
                         let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         let Some(job) = jobs.get(i) else { break };
-                        found.extend(check(job));
+                        found.extend(check(job, &cache));
                     }
                     found
                 })

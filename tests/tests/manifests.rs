@@ -186,7 +186,7 @@ fn trace_refuses_a_broken_manifest_with_the_file_and_line() {
         "kind: Service\nmetadata: {name: x}\nspec:\n  ports: [\n",
     );
     let out = std::process::Command::new(BIN)
-        .args(["trace", "--manifests"])
+        .args(["trace", "--no-cache", "--manifests"])
         .arg(dir.path().join("broken.yaml"))
         .args(["--node-name", "node1", "--node-ip", "198.18.0.11"])
         .args([

@@ -1,6 +1,6 @@
 use std::path::PathBuf;
 
-use crate::dataplane::{PinDir, PinDirError};
+use crate::dataplane::{PinDir, PinDirError, trace_cache};
 use anyhow::Context as _;
 
 #[derive(clap::Args)]
@@ -12,9 +12,13 @@ pub struct CleanupArgs {
     /// second and exits; its restart attaches afresh).
     #[arg(long)]
     pub force: bool,
+    /// `trace`'s cache of verified programs (its --cache-dir), removed too.
+    #[arg(long, default_value = trace_cache::DEFAULT_TRACE_CACHE_DIR)]
+    pub trace_cache_dir: PathBuf,
 }
 
 pub fn run(args: &CleanupArgs) -> anyhow::Result<()> {
+    remove_trace_cache(&args.trace_cache_dir)?;
     if !args.bpffs_dir.exists() {
         println!("nothing pinned at {}", args.bpffs_dir.display());
         return Ok(());
@@ -53,5 +57,27 @@ pub fn run(args: &CleanupArgs) -> anyhow::Result<()> {
         "removed {}: programs detached, maps released",
         args.bpffs_dir.display()
     );
+    Ok(())
+}
+
+/// `trace`'s cache holds no agent state: it goes whatever the agent does
+/// (a trace using it keeps what it opened; the next one loads afresh).
+fn remove_trace_cache(dir: &std::path::Path) -> anyhow::Result<()> {
+    if !dir.exists() {
+        return Ok(());
+    }
+    // Not under a trace that is adding programs to it.
+    let lock = std::fs::File::open(dir).with_context(|| format!("opening {}", dir.display()))?;
+    lock.lock()
+        .with_context(|| format!("locking {}", dir.display()))?;
+    let removed = trace_cache::remove_cache(dir)
+        .with_context(|| format!("removing the trace cache {}", dir.display()))?;
+    if !removed.is_empty() {
+        println!(
+            "removed the trace cache {} ({} object(s))",
+            dir.display(),
+            removed.len()
+        );
+    }
     Ok(())
 }

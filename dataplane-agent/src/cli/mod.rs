@@ -41,7 +41,8 @@ enum Command {
     #[command(verbatim_doc_comment)]
     Check(check::CheckArgs),
     /// Remove a stopped agent's pins: its programs detach and its maps
-    /// (conntrack included) go.
+    /// (conntrack included) go. `trace`'s cache of verified programs goes
+    /// too.
     ///
     /// Example: dataplane-agent cleanup --bpffs-dir /sys/fs/bpf/dataplane
     Cleanup(cleanup::CleanupArgs),
@@ -56,7 +57,9 @@ enum Command {
     /// Run one packet through the real programs and say what happens to it.
     ///
     /// A private copy of the datapath (nothing attached, no live map touched)
-    /// is programmed from the manifests exactly as `run` programs it.
+    /// is programmed from the manifests exactly as `run` programs it. Its
+    /// programs, once verified, are kept in bpffs (--cache-dir) for the
+    /// next trace.
     ///
     /// Example:
     ///   dataplane-agent trace --manifests services.yaml --node-name node1 --node-ip 198.18.0.11 \

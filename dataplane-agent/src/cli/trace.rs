@@ -24,7 +24,10 @@ use crate::{
         config::NodePortAddresses,
         sync::{Syncer, node_context},
     },
-    dataplane::{AbiAddr, Datapath, DatapathConfig, FamilyMaps, LbMaps, LoadOptions},
+    dataplane::{
+        AbiAddr, DatapathConfig, FamilyMaps, LbMaps, LoadOptions,
+        trace_cache::{self, Origin, TraceCacheError, TraceDatapath},
+    },
     k8s::{manifests, store::Store},
     net::{IpCidr, Protocol},
     state::table::MapTable,
@@ -75,6 +78,16 @@ pub struct TraceArgs {
     pub live: bool,
     #[arg(long, default_value = "/sys/fs/bpf/dataplane")]
     pub bpffs_dir: PathBuf,
+    /// Where the verified programs are kept between traces (bpffs; removed
+    /// by `cleanup`).
+    #[arg(long, default_value = trace_cache::DEFAULT_TRACE_CACHE_DIR)]
+    pub cache_dir: PathBuf,
+    /// Load and verify the programs for this trace alone: nothing is kept.
+    #[arg(long)]
+    pub no_cache: bool,
+    /// Also say (on stderr) where the programs came from and what it cost.
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
 }
 
 const XDP_DROP: u32 = 1;
@@ -128,23 +141,22 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     if !matches!(args.from.as_str(), "external" | "pod" | "host") {
         bail!("--from {}: expected external, pod or host", args.from);
     }
-    let mut dp = Datapath::load_with(&LoadOptions {
-        max_services: 65_536,
-        max_backends: 131_072,
-        max_service_entries: 524_288,
-        ct_entries: 4096,
-        affinity_entries: 1024,
-        ipv6: true,
-    })
-    .context("loading a private copy of the datapath (needs root or CAP_BPF)")?;
-    let mut config = DatapathConfig::for_node(&args.node_ip);
-    config.set_cidrs(&args.cluster_cidr, &args.service_cidr);
-    config.masquerade_all = args.masquerade_all;
-    dp.maps_mut().set_config(&config)?;
-    let names = if args.live {
-        copy_live(&args.bpffs_dir, dp.maps_mut())?
+    // Bad input is refused before the datapath costs anything.
+    let objects = if args.live {
+        None
     } else {
-        program_from_manifests(&args, dp.maps_mut())?
+        Some(manifests::load(&args.manifests).context("cannot use --manifests")?)
+    };
+    let (mut dp, names) = match prepare(&args, &CACHED_MAPS, !args.no_cache, objects.clone())? {
+        Some(ready) => ready,
+        None => {
+            eprintln!(
+                "note: the table has more than the {} services-map entries the cached copy holds: tracing \
+                 on a full-size copy loaded for this trace alone",
+                CACHED_MAPS.max_service_entries
+            );
+            prepare(&args, &FULL_MAPS, false, objects)?.expect("the full-size copy holds any table")
+        }
     };
     let outcome = match args.from.as_str() {
         "host" => trace_host(&mut dp, src, args.dst, proto)?,
@@ -197,6 +209,117 @@ pub fn run(args: TraceArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Map sizes of a copy loaded for one trace: the agent's defaults, room for
+/// any table a node with default limits holds (`--live`).
+const FULL_MAPS: LoadOptions = LoadOptions {
+    max_services: 65_536,
+    max_backends: 131_072,
+    max_service_entries: 524_288,
+    ct_entries: 4096,
+    affinity_entries: 1024,
+    ipv6: true,
+};
+
+/// The cached copy stays in kernel memory between traces: its services
+/// maps (preallocated hashes, most of a copy's memory) are an eighth of the
+/// full size. A table that does not fit is traced on a [`FULL_MAPS`] copy.
+const CACHED_MAPS: LoadOptions = LoadOptions {
+    max_service_entries: 65_536,
+    ..FULL_MAPS
+};
+
+/// Service ids → `namespace/name:port`.
+type ServiceNames = Vec<(u32, String)>;
+
+/// Opens the private datapath (`opts`; from the cache when `cached`), sets
+/// its configuration and programs the table (`objects`, or the live one
+/// under --bpffs-dir): the datapath and the service names by id, or `None`
+/// when the table does not fit.
+fn prepare(
+    args: &TraceArgs,
+    opts: &LoadOptions,
+    cached: bool,
+    objects: Option<manifests::Objects>,
+) -> anyhow::Result<Option<(TraceDatapath, ServiceNames)>> {
+    let live = match objects {
+        Some(_) => None,
+        None => {
+            let (live, notes) = LbMaps::open_pins(&args.bpffs_dir)
+                .with_context(|| format!("opening the maps pinned under {}", args.bpffs_dir.display()))?;
+            if live.service_entries()? > opts.max_service_entries as usize {
+                return Ok(None);
+            }
+            Some((live, notes))
+        }
+    };
+    let mut dp = open_datapath(args, opts, cached)?;
+    if args.verbose {
+        describe(&dp);
+    }
+    let mut config = DatapathConfig::for_node(&args.node_ip);
+    config.set_cidrs(&args.cluster_cidr, &args.service_cidr);
+    config.masquerade_all = args.masquerade_all;
+    dp.maps_mut().set_config(&config)?;
+    let names = match (live, objects) {
+        (Some((live, notes)), _) => copy_live(&live, &notes, dp.maps_mut())?,
+        (None, Some(objects)) => match program_from_manifests(args, objects, dp.maps_mut())? {
+            Some(names) => names,
+            None => return Ok(None),
+        },
+        (None, None) => unreachable!("either the live table or manifests"),
+    };
+    Ok(Some((dp, names)))
+}
+
+/// The private datapath: from the cache (loading what it lacks), or loaded
+/// for this trace alone with `--no-cache` or when the cache cannot be used.
+fn open_datapath(args: &TraceArgs, opts: &LoadOptions, cached: bool) -> anyhow::Result<TraceDatapath> {
+    const LOADING: &str = "loading a private copy of the datapath (needs root or CAP_BPF)";
+    if !cached {
+        return TraceDatapath::load(opts, &args.from).context(LOADING);
+    }
+    match TraceDatapath::open_cached(opts, &args.from, &args.cache_dir) {
+        Ok(dp) => Ok(dp),
+        // The programs themselves failed: without the cache they would too.
+        Err(TraceCacheError::Datapath(e)) => Err(anyhow::Error::new(e).context(LOADING)),
+        Err(e) => {
+            eprintln!(
+                "warning: the trace cache at {} cannot be used ({e}): loading the programs for this trace \
+                 alone (--no-cache skips the cache)",
+                args.cache_dir.display()
+            );
+            TraceDatapath::load(opts, &args.from).context(LOADING)
+        }
+    }
+}
+
+/// `--verbose`: where the programs came from, and what it cost.
+fn describe(dp: &TraceDatapath) {
+    let r = dp.report();
+    for e in &r.invalidated {
+        eprintln!("trace cache: removed {} (another agent build's)", e.display());
+    }
+    let ms = |d: std::time::Duration| d.as_secs_f64() * 1000.0;
+    match &r.origin {
+        Origin::Loaded { programs } => eprintln!(
+            "trace cache: not used; loaded and verified {} in {:.0} ms",
+            programs.join(", "),
+            ms(r.load)
+        ),
+        Origin::Cached { entry } => eprintln!(
+            "trace cache: reused the verified programs pinned under {} ({:.1} ms to open and empty)",
+            entry.display(),
+            ms(r.reuse)
+        ),
+        Origin::Built { entry, verified } => eprintln!(
+            "trace cache: loaded and verified {} in {:.0} ms, pinned under {} for the next trace",
+            verified.join(", "),
+            ms(r.load),
+            entry.display()
+        ),
+    }
+}
+
 fn explain(e: Event) -> String {
     match e {
         Event::NewFlow => "new flow: backend chosen, translated".into(),
@@ -215,9 +338,13 @@ fn explain(e: Event) -> String {
 }
 
 /// service ids → `namespace/name:port`, from the manifests, through `run`'s
-/// own sync.
-fn program_from_manifests(args: &TraceArgs, maps: &mut LbMaps) -> anyhow::Result<Vec<(u32, String)>> {
-    let objects = manifests::load(&args.manifests).context("cannot use --manifests")?;
+/// own sync; `None` when some of the table could not be written (the maps
+/// are too small for it).
+fn program_from_manifests(
+    args: &TraceArgs,
+    objects: manifests::Objects,
+    maps: &mut LbMaps,
+) -> anyhow::Result<Option<ServiceNames>> {
     for p in &objects.problems {
         eprintln!("warning: {p}");
     }
@@ -237,22 +364,25 @@ fn program_from_manifests(args: &TraceArgs, maps: &mut LbMaps) -> anyhow::Result
     let node = node_context(&args.node_ip, &args.node_port_addresses, &local);
     let mut syncer = Syncer::adopt(&MapTable::default(), &args.node_name, 65_536, 131_072);
     let report = syncer.sync(&mut store, &node, maps);
+    let (_, _, capacity) = maps.capacities();
+    if report.failed_ops > 0 && capacity < FULL_MAPS.max_service_entries {
+        return Ok(None);
+    }
     for p in &report.problems {
         eprintln!("warning: {p}");
     }
-    Ok(maps
-        .service_names()?
-        .into_iter()
-        .map(|(id, n)| (id, n.to_string()))
-        .collect())
+    Ok(Some(
+        maps.service_names()?
+            .into_iter()
+            .map(|(id, n)| (id, n.to_string()))
+            .collect(),
+    ))
 }
 
-/// Copies a running agent's table into the private maps (the live maps are
-/// only read).
-fn copy_live(dir: &std::path::Path, maps: &mut LbMaps) -> anyhow::Result<Vec<(u32, String)>> {
-    let (live, notes) =
-        LbMaps::open_pins(dir).with_context(|| format!("opening the maps pinned under {}", dir.display()))?;
-    for n in &notes {
+/// Copies a running agent's table (`live`, opened from its pins) into the
+/// private maps: the live maps are only read.
+fn copy_live(live: &LbMaps, notes: &[String], maps: &mut LbMaps) -> anyhow::Result<ServiceNames> {
+    for n in notes {
         eprintln!("note: {n}");
     }
     let table = live.read_table()?;
@@ -434,7 +564,7 @@ fn snapshot(maps: &LbMaps, hook: Hook) -> Vec<(Event, u64)> {
 }
 
 fn trace_packet(
-    dp: &Datapath,
+    dp: &TraceDatapath,
     from: &str,
     src: SocketAddr,
     dst: SocketAddr,
@@ -455,7 +585,7 @@ fn trace_packet(
         ..Default::default()
     };
     let r = if from == "external" {
-        dp.xdp()?.test_run(opts)?
+        dp.xdp(names::XDP_INGRESS)?.test_run(opts)?
     } else {
         dp.tc(program)?.test_run(opts)?
     };
@@ -526,7 +656,7 @@ fn trace_packet(
 /// socket connects in a throwaway network namespace (the hook runs before
 /// routing; nothing leaves).
 fn trace_host(
-    dp: &mut Datapath,
+    dp: &mut TraceDatapath,
     src: SocketAddr,
     dst: SocketAddr,
     proto: Protocol,

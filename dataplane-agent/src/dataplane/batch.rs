@@ -1,6 +1,7 @@
 //! Batched map operations (`BPF_MAP_LOOKUP_BATCH`, `BPF_MAP_UPDATE_BATCH`,
 //! `BPF_MAP_DELETE_BATCH`, Linux 5.6) through the raw `bpf(2)` syscall:
-//! aya 0.14 has no API for them.
+//! aya 0.14 has no API for them; and the per-key walk and delete of
+//! untyped maps, for the map types without batches.
 //!
 //! One syscall moves thousands of entries, so reading a million-entry map or
 //! programming 100k Services costs a few hundred syscalls instead of
@@ -186,22 +187,98 @@ pub fn update_pairs<K: Pod, V: Pod>(
 /// Deletes `keys`; keys that are not in the map are skipped. On failure
 /// returns how many keys were handled (in order) with the error.
 pub fn delete<K: Pod>(fd: BorrowedFd<'_>, keys: &[K]) -> Result<(), (usize, io::Error)> {
+    delete_raw(fd, size_of::<K>(), bytes_of(keys))
+}
+
+/// As [`delete`], the keys given as packed bytes (`key_size` bytes each).
+pub fn delete_raw(fd: BorrowedFd<'_>, key_size: usize, keys: &[u8]) -> Result<(), (usize, io::Error)> {
+    let total = keys.len().checked_div(key_size).unwrap_or(0);
     let mut start = 0;
-    while start < keys.len() {
-        let chunk = &keys[start..keys.len().min(start + CHUNK)];
+    while start < total {
+        let end = total.min(start + CHUNK);
+        let chunk = &keys[start * key_size..end * key_size];
         let mut attr = BatchAttr {
             keys: chunk.as_ptr() as u64,
-            count: chunk.len() as u32,
+            count: (end - start) as u32,
             map_fd: fd.as_raw_fd() as u32,
             ..Default::default()
         };
         let (count, result) = batch(BPF_MAP_DELETE_BATCH, &mut attr);
-        let count = (count as usize).min(chunk.len());
+        let count = (count as usize).min(end - start);
         match result {
-            Ok(()) => start += chunk.len(),
+            Ok(()) => start = end,
             // The batch stops at a missing key: skip it and go on.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => start += count + 1,
             Err(e) => return Err((start + count, e)),
+        }
+    }
+    Ok(())
+}
+
+/// The `key`/`value`/`next_key` members of `union bpf_attr` for the
+/// single-element commands.
+#[repr(C)]
+#[derive(Default)]
+struct ElemAttr {
+    map_fd: u32,
+    _pad: u32,
+    key: u64,
+    /// `value` or `next_key`.
+    value: u64,
+    flags: u64,
+}
+
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+
+fn elem(cmd: libc::c_long, attr: &mut ElemAttr) -> io::Result<()> {
+    // SAFETY: `attr` is a valid, initialised `bpf_attr` prefix of the size
+    // passed; its pointers reference live buffers of the map's key size
+    // (the callers guarantee it), which outlive the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut ElemAttr, size_of::<ElemAttr>()) };
+    if rc < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Every key of a map, one `BPF_MAP_GET_NEXT_KEY` per key, packed
+/// (`key_size` bytes each): for the map types without batched lookups
+/// (LPM tries, device maps).
+pub fn keys_raw(fd: BorrowedFd<'_>, key_size: usize) -> io::Result<Vec<u8>> {
+    let mut out = Vec::new();
+    let mut next = vec![0u8; key_size];
+    let mut prev: Option<Vec<u8>> = None;
+    loop {
+        let mut attr = ElemAttr {
+            map_fd: fd.as_raw_fd() as u32,
+            key: prev.as_ref().map_or(0, |k| k.as_ptr() as u64),
+            value: next.as_mut_ptr() as u64,
+            ..Default::default()
+        };
+        match elem(BPF_MAP_GET_NEXT_KEY, &mut attr) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            Err(e) => return Err(e),
+        }
+        out.extend_from_slice(&next);
+        prev = Some(next.clone());
+    }
+}
+
+/// Deletes `keys` (packed, `key_size` bytes each) one syscall per key;
+/// missing keys are skipped.
+pub fn delete_each_raw(fd: BorrowedFd<'_>, key_size: usize, keys: &[u8]) -> io::Result<()> {
+    for key in keys.chunks_exact(key_size) {
+        let mut attr = ElemAttr {
+            map_fd: fd.as_raw_fd() as u32,
+            key: key.as_ptr() as u64,
+            ..Default::default()
+        };
+        match elem(BPF_MAP_DELETE_ELEM, &mut attr) {
+            Err(e) if e.raw_os_error() != Some(libc::ENOENT) => return Err(e),
+            _ => {}
         }
     }
     Ok(())

@@ -247,6 +247,17 @@ impl<A: AbiAddr> FamilyMaps<A> {
         self.affinity.get(&AffinityKey { client, service_id }, 0).ok()
     }
 
+    /// Entries of the services map (frontends and their slots).
+    pub(super) fn service_entries(&self) -> Result<usize, DatapathError> {
+        let fd = IterableMap::<LbServiceKey<A>, _>::map(&self.services)
+            .fd()
+            .as_fd();
+        batch::count::<LbServiceKey<A>, Lb4Service>(fd).map_err(|source| DatapathError::Batch {
+            name: A::SERVICES,
+            source,
+        })
+    }
+
     /// (conntrack LRU, assured copies, affinity) entries, counted in
     /// batches.
     pub(super) fn counts(&self) -> (usize, usize, usize) {

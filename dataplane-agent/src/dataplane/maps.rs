@@ -438,6 +438,12 @@ impl LbMaps {
         )
     }
 
+    /// Entries of the services maps (frontends and their slots) of the
+    /// family that has more of them, counted in batches.
+    pub fn service_entries(&self) -> Result<usize, DatapathError> {
+        Ok(self.v4.service_entries()?.max(self.v6.service_entries()?))
+    }
+
     /// Backends chosen at connect() time, as the connect-time programs
     /// recorded them (both families).
     pub fn sock_translations(&self) -> Result<Vec<std::net::SocketAddr>, DatapathError> {

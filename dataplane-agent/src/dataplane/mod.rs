@@ -17,6 +17,7 @@ mod filter;
 mod maps;
 pub mod pins;
 mod table;
+pub mod trace_cache;
 
 use std::path::Path;
 
@@ -109,6 +110,13 @@ pub enum DatapathError {
     },
     #[error("cannot pin link at {path}: {source}")]
     PinLink {
+        path: std::path::PathBuf,
+        #[source]
+        source: aya::pin::PinError,
+    },
+    #[error("cannot pin program `{name}` at {path}: {source}")]
+    PinProgram {
+        name: &'static str,
         path: std::path::PathBuf,
         #[source]
         source: aya::pin::PinError,
@@ -241,7 +249,34 @@ impl Datapath {
 
     /// Loads with private maps (nothing pinned): tests, `trace`.
     pub fn load_with(opts: &LoadOptions) -> Result<Self, DatapathError> {
-        Self::load_inner(opts, None)
+        Self::load_inner(opts, None, None)
+    }
+
+    /// Loads with only `programs` verified and loaded (the others stay in
+    /// the object, unloaded: using them fails), every map created, or reused
+    /// and pinned under `pins` when given: `trace`, which needs two
+    /// programs of the object and would otherwise wait for the verifier to
+    /// go through all of them.
+    pub fn load_programs(
+        opts: &LoadOptions,
+        pins: Option<PinDir>,
+        programs: &[&'static str],
+    ) -> Result<Self, DatapathError> {
+        Self::load_inner(opts, pins, Some(programs))
+    }
+
+    /// Pins the loaded program `name` at `path` (bpffs): it stays loaded,
+    /// with the maps it uses, after this copy is dropped.
+    pub fn pin_program(&mut self, name: &'static str, path: &Path) -> Result<(), DatapathError> {
+        self.ebpf
+            .program_mut(name)
+            .ok_or(DatapathError::MissingProgram(name))?
+            .pin(path)
+            .map_err(|source| DatapathError::PinProgram {
+                name,
+                path: path.to_owned(),
+                source,
+            })
     }
 
     /// Loads with every map pinned under `dir` (bpffs): maps already pinned
@@ -260,7 +295,7 @@ impl Datapath {
         for r in &resized {
             pins.set_aside(r.map)?;
         }
-        let mut dp = match Self::load_inner(opts, Some(pins.clone())) {
+        let mut dp = match Self::load_inner(opts, Some(pins.clone()), None) {
             Ok(dp) => dp,
             Err(e) => {
                 // Put the old maps back: nothing changed.
@@ -314,7 +349,13 @@ impl Datapath {
         self.lock.as_ref().is_none_or(PinLock::intact)
     }
 
-    fn load_inner(opts: &LoadOptions, pins: Option<PinDir>) -> Result<Self, DatapathError> {
+    /// `programs`: the programs to verify and load, `None` for all of them.
+    fn load_inner(
+        opts: &LoadOptions,
+        pins: Option<PinDir>,
+        programs: Option<&[&'static str]>,
+    ) -> Result<Self, DatapathError> {
+        let wanted = |name: &str| programs.is_none_or(|p| p.contains(&name));
         let map_paths: Vec<(&'static str, std::path::PathBuf)> = match &pins {
             Some(p) => names::ALL_MAPS.iter().map(|n| (*n, p.map(n))).collect(),
             None => Vec::new(),
@@ -355,7 +396,10 @@ impl Datapath {
             .map_max_entries(names::LB6_SOURCE_RANGES, limits::SOURCE_RANGE_ENTRIES)
             .map_max_entries(names::SOCK6_REVNAT, v6(limits::SOCK_REVNAT_ENTRIES))
             .load(EBPF_OBJECT)?;
-        for name in [names::XDP_INGRESS, names::XDP_FLOOR] {
+        for name in [names::XDP_INGRESS, names::XDP_FLOOR]
+            .into_iter()
+            .filter(|n| wanted(n))
+        {
             program::<Xdp>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
@@ -365,12 +409,15 @@ impl Datapath {
             names::TC_EGRESS,
             names::TC_POD_INGRESS,
             names::TC_FLOOR,
-        ] {
+        ]
+        .into_iter()
+        .filter(|n| wanted(n))
+        {
             program::<SchedClassifier>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
         }
-        for name in SOCK_PROGRAMS {
+        for name in SOCK_PROGRAMS.into_iter().filter(|n| wanted(n)) {
             program::<CgroupSockAddr>(&mut ebpf, name)?
                 .load()
                 .map_err(|source| DatapathError::Program { name, source })?;
