@@ -11,7 +11,7 @@
 
 use foldhash::{HashMap, HashMapExt as _, HashSet};
 use std::{
-    collections::{BTreeMap, BTreeSet},
+    collections::BTreeMap,
     net::IpAddr,
     time::{Duration, Instant},
 };
@@ -493,26 +493,16 @@ impl Syncer {
 }
 
 /// The node's view for the desired table: NodePort addresses from
-/// nodePortAddresses, among the local addresses (both families).
+/// nodePortAddresses, among the local addresses (both families; see
+/// [`NodePortAddresses::select`](super::config::NodePortAddresses::select)).
 pub fn node_context(
     node_ips: &[IpAddr],
     choice: &super::config::NodePortAddresses,
     local: &[(String, IpAddr)],
 ) -> NodeContext {
-    use super::config::NodePortAddresses;
-    let non_loopback = || local.iter().map(|(_, a)| *a).filter(|a| !a.is_loopback());
-    let mut addrs: BTreeSet<IpAddr> = match choice {
-        NodePortAddresses::All => non_loopback().collect(),
-        NodePortAddresses::Primary => node_ips.iter().copied().collect(),
-        NodePortAddresses::Cidrs(cidrs) => non_loopback()
-            .filter(|a| cidrs.iter().any(|c| c.contains(*a)))
-            .collect(),
-    };
-    if addrs.is_empty() && matches!(choice, NodePortAddresses::All) {
-        addrs.extend(node_ips.iter().copied());
-    }
+    let local: Vec<IpAddr> = local.iter().map(|(_, a)| *a).collect();
     NodeContext {
-        node_port_addresses: addrs.into_iter().collect(),
+        node_port_addresses: choice.select(node_ips, &local).into_iter().collect(),
         node_ips: node_ips.to_vec(),
         lb: Default::default(),
     }
@@ -523,7 +513,7 @@ mod tests {
     //! The incremental syncer against the whole-table reference: random
     //! change sequences, failed writes at every position of a sync, and
     //! conflicts resolved by rank.
-    use std::collections::BTreeMap;
+    use std::collections::{BTreeMap, BTreeSet};
 
     use k8s_openapi::api::{
         core::v1::{Node, Service},

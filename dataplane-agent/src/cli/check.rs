@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 
 use crate::{
-    agent::config::ConfigFile,
+    agent::config::{ConfigFile, NodePortAddresses},
     dataplane::XdpMode,
     preflight::{self, Options, Severity},
 };
@@ -15,7 +15,8 @@ use crate::{
 #[derive(clap::Args, Debug)]
 pub struct CheckArgs {
     /// The agent's config file (as `run --config`): its bpffsDir,
-    /// cgroupPath, devices, nodeIp and xdpMode are checked; flags win.
+    /// cgroupPath, devices, nodeIp, nodePortAddresses, podInterfaces and
+    /// xdpMode are checked; flags win.
     #[arg(long)]
     pub config: Option<PathBuf>,
     /// The agent's pin directory (as `run --bpffs-dir`); default
@@ -38,6 +39,12 @@ pub struct CheckArgs {
     /// from routes and bridges) are named.
     #[arg(long, value_delimiter = ',')]
     pub pod_interfaces: Vec<String>,
+    /// As `run --node-port-addresses` (`primary`, `all` or CIDRs; default
+    /// primary): the addresses NodePorts would be served on are named, with
+    /// a warning when pod-facing interfaces (pods' gateways, CNI bridges)
+    /// hold some.
+    #[arg(long)]
+    pub node_port_addresses: Option<NodePortAddresses>,
     /// As `run --xdp-mode`: decides whether a device without native XDP, or
     /// with another XDP program, blocks; default auto.
     #[arg(long)]
@@ -74,6 +81,13 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("config file xdpMode: {e}"))?,
         (None, None) => XdpMode::Auto,
     };
+    let node_port_addresses = match (args.node_port_addresses.clone(), file.node_port_addresses) {
+        (Some(n), _) => n,
+        (None, Some(n)) => n
+            .parse()
+            .map_err(|e| anyhow::anyhow!("config file nodePortAddresses: {e}"))?,
+        (None, None) => NodePortAddresses::Primary,
+    };
     let findings = preflight::run(&Options {
         bpffs_dir: args
             .bpffs_dir
@@ -89,6 +103,7 @@ pub fn run(args: &CheckArgs) -> anyhow::Result<()> {
         node_ips: or_file(&args.node_ip, file.node_ip),
         xdp_mode,
         pod_interfaces: or_file(&args.pod_interfaces, file.pod_interfaces),
+        node_port_addresses,
     });
     let blockers = findings
         .iter()

@@ -52,7 +52,9 @@ pub struct RunArgs {
     /// Service holds is dropped.
     #[arg(long, value_delimiter = ',')]
     pub service_cidr: Vec<IpCidr>,
-    /// `all` (every local address), `primary` (--node-ip) or CIDR[,CIDR...].
+    /// `primary` (the first --node-ip of each family; the default, as in
+    /// kube-proxy's nftables mode), `all` (every local address but loopback
+    /// and IPv6 link-local: pod gateways and bridges too) or CIDR[,CIDR...].
     #[arg(long)]
     pub node_port_addresses: Option<NodePortAddresses>,
     /// SNAT every flow to a ClusterIP (kube-proxy's masqueradeAll).
@@ -212,7 +214,7 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
     let node_port_addresses = match (args.node_port_addresses, file.node_port_addresses) {
         (Some(n), _) => n,
         (None, Some(n)) => n.parse().map_err(|e| parse_err("nodePortAddresses", e))?,
-        (None, None) => NodePortAddresses::All,
+        (None, None) => NodePortAddresses::Primary,
     };
     let log_format = args
         .log_format

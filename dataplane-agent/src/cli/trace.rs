@@ -50,8 +50,9 @@ pub struct TraceArgs {
     /// Traffic to an unallocated address inside these is dropped.
     #[arg(long, value_delimiter = ',')]
     pub service_cidr: Vec<IpCidr>,
-    /// `all`, `primary` or CIDR[,CIDR...] (the node's addresses are --node-ip).
-    #[arg(long, default_value = "all")]
+    /// `primary` (as `run`: the first --node-ip of each family), `all` or
+    /// CIDR[,CIDR...] (the node's addresses are --node-ip).
+    #[arg(long, default_value = "primary")]
     pub node_port_addresses: NodePortAddresses,
     /// As `run --masquerade-all` (kube-proxy's masqueradeAll).
     #[arg(long)]

@@ -13,17 +13,27 @@
 //!   program is attached to find out whether native XDP works;
 //! - connect-time (cgroup sock_addr) programs effective on the cgroup;
 //! - the pod interfaces `run` would find now (routes and bridges);
+//! - the addresses NodePorts would be served on, and whether pod-facing
+//!   interfaces hold any of them (pods' gateways, CNI bridges);
 //! - kube-proxy's leftovers ([`kube_proxy`]).
 
 pub mod kube_proxy;
 pub mod netlink;
 
-use std::path::{Path, PathBuf};
+use std::{
+    collections::{BTreeMap, BTreeSet},
+    net::IpAddr,
+    path::{Path, PathBuf},
+};
 
 use serde::Serialize;
 
 use crate::{
-    agent::interfaces,
+    agent::{
+        config::NodePortAddresses,
+        interfaces::{self, Address, Link},
+        pod_interfaces::Why,
+    },
     dataplane::{self, Datapath, DeviceKind, XdpMode, device, pins},
 };
 
@@ -96,6 +106,8 @@ pub struct Options {
     pub xdp_mode: XdpMode,
     /// `--pod-interfaces` patterns (empty: discovery, as `run` does).
     pub pod_interfaces: Vec<String>,
+    /// `--node-port-addresses`.
+    pub node_port_addresses: NodePortAddresses,
 }
 
 /// Every check, in order.
@@ -106,6 +118,7 @@ pub fn run(opts: &Options) -> Vec<Finding> {
     out.extend(cgroup(opts.cgroup_path.clone()));
     out.extend(devices(opts));
     out.push(pod_interfaces(opts));
+    out.push(node_ports(opts));
     out.extend(kube_proxy::check());
     out
 }
@@ -493,6 +506,122 @@ fn pod_interfaces(opts: &Options) -> Finding {
     )
 }
 
+/// The NodePort addresses held by pod-facing interfaces, with the
+/// interfaces holding each (pure: no IO): the pod interfaces themselves (a
+/// routed CNI's gateway address on every host veth) and bridges with a pod
+/// interface among their ports (a bridge CNI's gateway, `cni0`'s
+/// 10.244.1.1). `pods` are the pod interfaces by name.
+pub fn pod_facing_node_port_addresses(
+    selected: &BTreeSet<IpAddr>,
+    links: &[Link],
+    addresses: &[Address],
+    pods: &BTreeMap<String, Why>,
+) -> BTreeMap<IpAddr, BTreeSet<String>> {
+    let pod_facing = |link: &Link| {
+        pods.contains_key(&link.name)
+            || (link.kind.as_deref() == Some("bridge")
+                && links
+                    .iter()
+                    .any(|port| port.master == Some(link.index) && pods.contains_key(&port.name)))
+    };
+    let mut out: BTreeMap<IpAddr, BTreeSet<String>> = BTreeMap::new();
+    for a in addresses.iter().filter(|a| selected.contains(&a.addr)) {
+        if let Some(link) = links.iter().find(|l| l.index == a.link)
+            && pod_facing(link)
+        {
+            out.entry(a.addr).or_default().insert(link.name.clone());
+        }
+    }
+    out
+}
+
+/// The addresses `run` would serve NodePorts on, warning when pod-facing
+/// interfaces hold some: with `all` (kube-proxy's iptables-mode default),
+/// pods' gateways and CNI bridges serve every NodePort too.
+fn node_ports(opts: &Options) -> Finding {
+    let choice = &opts.node_port_addresses;
+    if *choice == NodePortAddresses::Primary && opts.node_ips.is_empty() {
+        return Finding::new(
+            Severity::Info,
+            "node-ports",
+            "nodePortAddresses primary: NodePorts on the node IPs (not given: pass --node-ip to see them)"
+                .into(),
+            None,
+        );
+    }
+    let (Ok(links), Ok(addresses), Ok(routes)) =
+        (interfaces::links(), interfaces::addresses(), interfaces::routes())
+    else {
+        return Finding::new(
+            Severity::Warn,
+            "node-ports",
+            "cannot read links, addresses and routes".into(),
+            None,
+        );
+    };
+    let external = external_devices(opts, &links);
+    let mut pods = crate::agent::pod_interfaces::discover(&links, &addresses, &routes, &external);
+    if !opts.pod_interfaces.is_empty() {
+        pods.extend(crate::agent::pod_interfaces::by_pattern(
+            &links,
+            &opts.pod_interfaces,
+            &external,
+        ));
+    }
+    let local: Vec<IpAddr> = interfaces::ip_addresses().into_iter().map(|(_, a)| a).collect();
+    let selected = choice.select(&opts.node_ips, &local);
+    let list = |set: &BTreeSet<IpAddr>| set.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+    if selected.is_empty() {
+        return Finding::new(
+            Severity::Warn,
+            "node-ports",
+            format!(
+                "nodePortAddresses {choice} selects none of this node's addresses: no NodePort would be served"
+            ),
+            Some("nodePortAddresses: primary (the node IPs), or CIDRs holding the node's addresses".into()),
+        );
+    }
+    let exposed = pod_facing_node_port_addresses(&selected, &links, &addresses, &pods);
+    if exposed.is_empty() {
+        return Finding::new(
+            Severity::Ok,
+            "node-ports",
+            format!(
+                "nodePortAddresses {choice}: NodePorts on {} (no pod-facing interface holds them)",
+                list(&selected)
+            ),
+            None,
+        );
+    }
+    let named: Vec<String> = exposed
+        .iter()
+        .map(|(addr, on)| {
+            let mut on: Vec<&str> = on.iter().map(String::as_str).collect();
+            let more = on.len().saturating_sub(3);
+            on.truncate(3);
+            let more = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            format!("{addr} (on {}{more})", on.join(", "))
+        })
+        .collect();
+    Finding::new(
+        Severity::Warn,
+        "node-ports",
+        format!(
+            "nodePortAddresses {choice} serves NodePorts on addresses of pod-facing interfaces: {}; every NodePort \
+             answers there too (pods' gateways, CNI bridges), which kube-proxy's nftables mode does not do",
+            named.join(", ")
+        ),
+        Some(
+            "nodePortAddresses: primary (the default: the node IPs only), or CIDRs that leave these out"
+                .into(),
+        ),
+    )
+}
+
 /// `NETDEV_XDP_ACT_*` bits, named.
 const XDP_FEATURES: [(u64, &str); 7] = [
     (1, "basic"),
@@ -726,4 +855,108 @@ fn devices(opts: &Options) -> Vec<Finding> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::agent::pod_interfaces::discover;
+
+    fn link(index: u32, name: &str, kind: Option<&str>, master: Option<u32>) -> Link {
+        Link {
+            index,
+            name: name.into(),
+            up: true,
+            master,
+            lower: None,
+            kind: kind.map(Into::into),
+            xdp: None,
+            mac: None,
+        }
+    }
+
+    fn addr(link: u32, a: &str, prefix_len: u8) -> Address {
+        Address {
+            link,
+            addr: a.parse().unwrap(),
+            prefix_len,
+        }
+    }
+
+    fn route(destination: &str, prefix_len: u8, oif: u32) -> interfaces::Route {
+        interfaces::Route {
+            destination: destination.parse().unwrap(),
+            prefix_len,
+            oif: Some(oif),
+            gateway: None,
+            table: 254,
+            kind: interfaces::RouteType::Unicast,
+        }
+    }
+
+    /// A node with both CNI layouts: `eth0` (the LAN, 198.18.0.11), routed
+    /// pods on `veth1`/`veth2` (each holding the pods' gateway 10.244.1.1,
+    /// as this project's test sandbox wires them), a `cni0` bridge holding
+    /// 10.88.0.1 with a pod's veth as its port, and a `docker0`-like bridge
+    /// without ports (not pod-facing: no pod interface among its ports).
+    fn node() -> (Vec<Link>, Vec<Address>, BTreeMap<String, Why>) {
+        let links = vec![
+            link(1, "lo", None, None),
+            link(2, "eth0", None, None),
+            link(3, "veth1", Some("veth"), None),
+            link(4, "veth2", Some("veth"), None),
+            link(5, "cni0", Some("bridge"), None),
+            link(6, "vethb", Some("veth"), Some(5)),
+            link(7, "docker0", Some("bridge"), None),
+        ];
+        let addresses = vec![
+            addr(1, "127.0.0.1", 8),
+            addr(2, "198.18.0.11", 24),
+            addr(3, "10.244.1.1", 32),
+            addr(4, "10.244.1.1", 32),
+            addr(5, "10.88.0.1", 16),
+            addr(7, "172.17.0.1", 16),
+        ];
+        let routes = vec![
+            route("198.18.0.0", 24, 2),
+            route("10.244.1.10", 32, 3),
+            route("10.244.1.11", 32, 4),
+        ];
+        let pods = discover(&links, &addresses, &routes, &["eth0".to_owned()]);
+        assert_eq!(
+            pods.keys().map(String::as_str).collect::<Vec<_>>(),
+            ["veth1", "veth2", "vethb"]
+        );
+        (links, addresses, pods)
+    }
+
+    fn exposed(choice: &str) -> Vec<(String, Vec<String>)> {
+        let (links, addresses, pods) = node();
+        let local: Vec<IpAddr> = addresses.iter().map(|a| a.addr).collect();
+        let choice: NodePortAddresses = choice.parse().unwrap();
+        let selected = choice.select(&["198.18.0.11".parse().unwrap()], &local);
+        pod_facing_node_port_addresses(&selected, &links, &addresses, &pods)
+            .into_iter()
+            .map(|(a, on)| (a.to_string(), on.into_iter().collect()))
+            .collect()
+    }
+
+    #[test]
+    fn node_ports_on_pod_gateways_and_cni_bridges_are_named() {
+        // In address order: 10.88.0.1 < 10.244.1.1.
+        let pod_facing = vec![
+            ("10.88.0.1".to_owned(), vec!["cni0".to_owned()]),
+            (
+                "10.244.1.1".to_owned(),
+                vec!["veth1".to_owned(), "veth2".to_owned()],
+            ),
+        ];
+        assert_eq!(exposed("all"), pod_facing);
+        assert_eq!(exposed("0.0.0.0/0"), pod_facing);
+        assert_eq!(exposed("10.88.0.0/16"), vec![pod_facing[0].clone()]);
+        // The node IP alone, or the LAN and the portless bridge: nothing
+        // pod-facing.
+        assert!(exposed("primary").is_empty());
+        assert!(exposed("198.18.0.0/24,172.17.0.0/16").is_empty());
+    }
 }
