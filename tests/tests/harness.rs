@@ -102,7 +102,11 @@ fn a_killed_runs_bpffs_mount_is_swept_by_the_next_run() {
         .arg(stale.path())
         .output()
         .expect("run mount");
-    assert!(out.status.success(), "mount bpffs: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "mount bpffs: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     std::fs::create_dir(stale.path().join("dpt-pins")).expect("a pin directory in it");
     assert!(is_mounted(stale.path(), "bpf"));
     dataplane_tests::sweep_orphans();
@@ -111,5 +115,9 @@ fn a_killed_runs_bpffs_mount_is_swept_by_the_next_run() {
         "{} is still mounted after the sweep",
         stale.path().display()
     );
-    assert!(!stale.path().exists(), "{} is still there", stale.path().display());
+    assert!(
+        !stale.path().exists(),
+        "{} is still there",
+        stale.path().display()
+    );
 }
