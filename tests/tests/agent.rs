@@ -604,7 +604,7 @@ fn new_connections_survive_endpoint_churn() {
     let others = |c: &Cluster, round: usize| -> String {
         (0..50)
             .map(|i| {
-                let pod = if (i + round) % 2 == 0 { "a" } else { "c" };
+                let pod = if (i + round).is_multiple_of(2) { "a" } else { "c" };
                 let ep = Ep::ready(c.pod(pod).ip, &c.nodes[c.pod(pod).node].name);
                 let spec = format!("  clusterIP: 10.96.1.{}\n", 10 + i);
                 format!(
@@ -616,7 +616,7 @@ fn new_connections_survive_endpoint_churn() {
     };
     let manifest = |c: &Cluster, round: usize| -> String {
         let mut eps = vec![Ep::ready(c.pod("a").ip, &c.nodes[0].name)];
-        if round % 2 == 0 {
+        if round.is_multiple_of(2) {
             eps.push(Ep::ready(c.pod("b").ip, &c.nodes[1].name));
         }
         let web = service_yaml(

@@ -21,6 +21,7 @@ use std::{
 
 mod control;
 mod e2e;
+mod exhaustion;
 mod forwarding;
 mod kube_proxy;
 mod notes;
@@ -126,6 +127,12 @@ fn main() {
         print!("{md}");
         return;
     }
+    if only.as_deref() == Some("exhaustion") {
+        let mut md = String::new();
+        exhaustion::render(&mut md, &exhaustion::measure(ROUNDS));
+        print!("{md}");
+        return;
+    }
     if only.as_deref() == Some("protocols") {
         let mut md = String::new();
         protocols::render(&mut md, &protocols::measure());
@@ -143,9 +150,12 @@ fn main() {
     let small_ct = measure(1, SMALL_CT_ENTRIES);
     eprintln!("bench: per packet by protocol and address family");
     let protocol_rows = protocols::measure();
+    eprintln!("bench: new flows when SNAT ports run out");
+    let exhaustion_row = exhaustion::measure(ROUNDS);
     if only.as_deref() == Some("datapath") {
         let mut md = render(&machine(), &rows, &small_ct);
         protocols::render(&mut md, &protocol_rows);
+        exhaustion::render(&mut md, &exhaustion_row);
         print!("{md}");
         return;
     }
@@ -180,6 +190,7 @@ fn main() {
     let machine = machine();
     let mut md = render(&machine, &rows, &small_ct);
     protocols::render(&mut md, &protocol_rows);
+    exhaustion::render(&mut md, &exhaustion_row);
     render_connect(&mut md, &connect);
     e2e::render(
         &mut md,
@@ -234,6 +245,7 @@ fn main() {
     let mut results = json(&machine, &rows);
     results.truncate(results.trim_end().len() - 1);
     results.push_str(&protocols::json(&protocol_rows));
+    results.push_str(&exhaustion::json(&exhaustion_row));
     results.push_str(&e2e::json(&e2e_rows, &sustained));
     results.push_str(&forwarding::json(&fwd_rows, &conn_rows));
     results.push_str(&kube_proxy::json(&control));
