@@ -834,6 +834,23 @@ mod tests {
     }
 
     #[test]
+    fn service_cidrs_are_read_and_reach_the_store() {
+        let text = format!(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: extra}}\nspec: {{cidrs: [10.100.0.0/24, 'fd00:100::/112']}}\n---\n{WEB}"
+        );
+        let o = parse(&text, "f.yaml").expect("valid");
+        assert!(o.problems.is_empty(), "{:?}", o.problems);
+        assert_eq!((o.services.len(), o.service_cidrs.len()), (1, 1));
+        let mut store = super::super::store::Store::default();
+        o.replace_store(&mut store, "node1");
+        assert!(store.service_cidrs_mut().take_changed());
+        let cidrs: Vec<String> = store.service_cidrs().cidrs().map(|c| c.to_string()).collect();
+        assert_eq!(cidrs, ["10.100.0.0/24", "fd00:100::/112"]);
+        let p = parse("kind: ServiceCIDR\nspec: {cidrs: [10.0.0.0/8]}\n", "f.yaml").expect_err("no name");
+        assert!(p.message.contains("without metadata.name"), "{p}");
+    }
+
+    #[test]
     fn unused_kinds_are_skipped_with_a_problem_and_the_rest_is_kept() {
         let text = format!("kind: ConfigMap\nmetadata: {{name: c}}\n---\n{WEB}---\n# only a comment\n");
         let o = parse(&text, "f.yaml").expect("valid");
