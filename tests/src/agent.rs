@@ -132,6 +132,7 @@ impl Cluster {
         self.spawn_agent(bin, node, &source, extra, &[], mounts, false)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn spawn_agent(
         &self,
         bin: &str,
