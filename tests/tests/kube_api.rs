@@ -197,16 +197,24 @@ fn metric_lines(cluster: &Cluster, node: usize) -> Vec<String> {
     body.lines().map(str::to_owned).collect()
 }
 
-/// The IPv4 service CIDRs agent `node` enforces.
-fn ipv4_service_cidrs(cluster: &Cluster, node: usize) -> u64 {
+/// The sample `name` (with its labels) of agent `node` (0 when absent).
+fn metric(cluster: &Cluster, node: usize, name: &str) -> u64 {
     metric_lines(cluster, node)
         .iter()
-        .find_map(|l| {
-            l.strip_prefix("dataplane_service_cidrs{family=\"ipv4\"} ")?
-                .parse::<f64>()
-                .ok()
-        })
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
         .map_or(0, |v| v as u64)
+}
+
+/// The IPv4 service CIDRs agent `node` enforces.
+fn ipv4_service_cidrs(cluster: &Cluster, node: usize) -> u64 {
+    metric(cluster, node, "dataplane_service_cidrs{family=\"ipv4\"}")
+}
+
+fn service_cidr(name: &str, cidrs: &str) -> k8s_openapi::api::networking::v1::ServiceCIDR {
+    let mut o = objects(&format!(
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: {name}}}\nspec: {{cidrs: [{cidrs}]}}\n"
+    ));
+    o.service_cidrs.pop().expect("a ServiceCIDR")
 }
 
 #[test]
@@ -253,11 +261,7 @@ fn service_cidr_objects_added_and_deleted_at_run_time_drop_unallocated_addresses
     assert_eq!(dropped(), before, "not counted as unallocated");
 
     // A ServiceCIDR added at run time: its unallocated addresses are dropped.
-    let cidr = objects(
-        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {name: kubernetes}\nspec: {cidrs: [10.96.0.0/16]}\n",
-    );
-    assert_eq!(cidr.service_cidrs.len(), 1);
-    s.api.apply(&cidr.service_cidrs[0]);
+    s.api.apply(&service_cidr("kubernetes", "10.96.0.0/16"));
     s.eventually("the ServiceCIDR in force", || {
         ipv4_service_cidrs(&s.cluster, 0) == 1
     });
@@ -265,6 +269,29 @@ fn service_cidr_objects_added_and_deleted_at_run_time_drop_unallocated_addresses
     assert_eq!(err.kind(), ErrorKind::TimedOut, "dropped: {err}");
     assert!(dropped() > before, "counted as an unallocated service address");
     assert_eq!(answered().expect("the allocated ClusterIP keeps answering"), "a");
+
+    // An invalid object is skipped and counted; more CIDRs than the
+    // datapath holds: the first 4 by name are kept (kubernetes < more-*),
+    // the rest counted. The drops go on.
+    s.api.apply(&service_cidr("bad", "not-a-cidr"));
+    for i in 1..=4 {
+        s.api.apply(&service_cidr(
+            &format!("more-{i}"),
+            &format!("10.{}.0.0/16", 96 + i),
+        ));
+    }
+    s.eventually("4 in force, 1 over the limit, 1 invalid", || {
+        ipv4_service_cidrs(&s.cluster, 0) == 4
+            && metric(&s.cluster, 0, "dataplane_service_cidrs_over_limit") == 1
+            && metric(&s.cluster, 0, "dataplane_invalid_service_cidrs_total") == 1
+    });
+    let before = dropped();
+    let err = TcpClient::connect(&s.cluster.client.ns, unallocated).expect_err("dropped");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "dropped: {err}");
+    assert!(dropped() > before);
+    for name in ["bad", "more-1", "more-2", "more-3", "more-4"] {
+        s.api.delete("ServiceCIDR", "", name);
+    }
 
     // Deleted: the address is no longer dropped as unallocated.
     s.api.delete("ServiceCIDR", "", "kubernetes");
