@@ -97,7 +97,21 @@ impl Cluster {
         extra: &[&str],
     ) -> AgentProcess {
         let mounts = crate::cgroup::system_mount_script();
-        self.spawn_agent(bin, node, source, extra, &mounts, true)
+        self.spawn_agent(bin, node, source, extra, &[], &mounts, true)
+    }
+
+    /// As [`Cluster::start_agent_with_source`], without the sandbox's
+    /// settings `omit` names (e.g. `--service-cidr`).
+    pub fn start_agent_omitting(
+        &self,
+        bin: &str,
+        node: usize,
+        source: &str,
+        extra: &[&str],
+        omit: &[&str],
+    ) -> AgentProcess {
+        let mounts = crate::cgroup::system_mount_script();
+        self.spawn_agent(bin, node, source, extra, omit, &mounts, true)
     }
 
     /// As [`Cluster::start_agent`], with no `--cgroup-path` unless `extra`
@@ -115,15 +129,17 @@ impl Cluster {
         mounts: &str,
     ) -> AgentProcess {
         let source = format!("manifests:{}", manifests.path().display());
-        self.spawn_agent(bin, node, &source, extra, mounts, false)
+        self.spawn_agent(bin, node, &source, extra, &[], mounts, false)
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn spawn_agent(
         &self,
         bin: &str,
         node: usize,
         source: &str,
         extra: &[&str],
+        omit: &[&str],
         mounts: &str,
         cgroup_none_by_default: bool,
     ) -> AgentProcess {
@@ -164,7 +180,7 @@ impl Cluster {
         ];
         let mut args = vec!["run".to_owned()];
         for (flag, value) in defaults {
-            if !extra.contains(&flag) {
+            if !extra.contains(&flag) && !omit.contains(&flag) {
                 args.extend([flag.to_owned(), value.to_owned()]);
             }
         }

@@ -10,7 +10,7 @@
 //! not the object's current one gets 409 Conflict, and
 //! [`FakeApiServer::conflict_next_status_writes`] makes a concurrent writer
 //! win the next status writes. Leases are served namespaced, pools
-//! cluster-scoped.
+//! and ServiceCIDRs cluster-scoped.
 
 use std::{
     collections::BTreeMap,
@@ -25,7 +25,7 @@ use serde_json::{Value, json};
 use crate::netns::NetNs;
 
 /// The collections served: (URL path, List kind).
-const RESOURCES: [(&str, &str); 5] = [
+const RESOURCES: [(&str, &str); 6] = [
     ("/api/v1/services", "ServiceList"),
     ("/apis/discovery.k8s.io/v1/endpointslices", "EndpointSliceList"),
     ("/api/v1/nodes", "NodeList"),
@@ -34,6 +34,7 @@ const RESOURCES: [(&str, &str); 5] = [
         "/apis/dataplane.example.com/v1alpha1/loadbalancerippools",
         "LoadBalancerIPPoolList",
     ),
+    ("/apis/networking.k8s.io/v1/servicecidrs", "ServiceCIDRList"),
 ];
 
 /// Collections with a status subresource: a plain `PUT` keeps the status.
@@ -118,6 +119,7 @@ fn collection_of(kind: &str) -> &'static str {
         "Node" => RESOURCES[2].0,
         "Lease" => RESOURCES[3].0,
         "LoadBalancerIPPool" => RESOURCES[4].0,
+        "ServiceCIDR" => RESOURCES[5].0,
         other => panic!("the fake API server does not serve {other}"),
     }
 }

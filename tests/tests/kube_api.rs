@@ -5,13 +5,13 @@
 use std::{
     collections::BTreeSet,
     io::ErrorKind,
-    net::{SocketAddrV4, TcpListener},
+    net::{Ipv4Addr, SocketAddrV4, TcpListener},
     time::{Duration, Instant},
 };
 
 use dataplane_agent::k8s::manifests::{Objects, load_text};
 use dataplane_tests::{
-    agent::{AgentProcess, ManifestEndpoint as Ep, service_yaml},
+    agent::{AgentProcess, METRICS_PORT, ManifestEndpoint as Ep, service_yaml},
     cluster::Cluster,
     echo::{EchoServer, TcpClient, tcp_request},
     fake_api::FakeApiServer,
@@ -176,4 +176,129 @@ fn agent_follows_the_api_through_watch_events_relists_and_reconnects() {
     s.eventually("the deleted Service is gone", || {
         TcpClient::connect(&s.cluster.client.ns, dst).is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused)
     });
+}
+
+/// The sum of agent `node`'s `dataplane_packets_total` samples for `event`
+/// (every hook).
+fn packets(cluster: &Cluster, node: usize, event: &str) -> u64 {
+    metric_lines(cluster, node)
+        .iter()
+        .filter(|l| l.starts_with("dataplane_packets_total{") && l.contains(&format!("event=\"{event}\"")))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// Agent `node`'s `/metrics` lines.
+fn metric_lines(cluster: &Cluster, node: usize) -> Vec<String> {
+    let n = &cluster.nodes[node];
+    let (status, body) = AgentProcess::http_get(n.ns(), SocketAddrV4::new(n.ip(), METRICS_PORT), "/metrics")
+        .unwrap_or_else(|e| panic!("metrics of node {node}: {e}"));
+    assert_eq!(status, 200, "metrics of node {node}: {body}");
+    body.lines().map(str::to_owned).collect()
+}
+
+/// The sample `name` (with its labels) of agent `node` (0 when absent).
+fn metric(cluster: &Cluster, node: usize, name: &str) -> u64 {
+    metric_lines(cluster, node)
+        .iter()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+/// The IPv4 service CIDRs agent `node` enforces.
+fn ipv4_service_cidrs(cluster: &Cluster, node: usize) -> u64 {
+    metric(cluster, node, "dataplane_service_cidrs{family=\"ipv4\"}")
+}
+
+fn service_cidr(name: &str, cidrs: &str) -> k8s_openapi::api::networking::v1::ServiceCIDR {
+    let mut o = objects(&format!(
+        "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: {name}}}\nspec: {{cidrs: [{cidrs}]}}\n"
+    ));
+    o.service_cidrs.pop().expect("a ServiceCIDR")
+}
+
+#[test]
+fn service_cidr_objects_added_and_deleted_at_run_time_drop_unallocated_addresses() {
+    let mut cluster = Cluster::new();
+    cluster.add_pod(0, "a");
+    let pod = cluster.pod("a");
+    let servers = vec![EchoServer::tcp(&pod.ns, "a", SocketAddrV4::new(pod.ip, 8080))];
+    let api = FakeApiServer::start(cluster.nodes[0].ns());
+    apply(
+        &api,
+        &objects("apiVersion: v1\nkind: Node\nmetadata: {name: node1}\n"),
+    );
+    apply(&api, &web(&cluster, &["a"]));
+    // No --service-cidr: the ServiceCIDR objects are all there is.
+    let agent = cluster.start_agent_omitting(
+        BIN,
+        0,
+        "kubernetes",
+        &["--k8s-api-server", &api.url()],
+        &["--service-cidr"],
+    );
+    // The client reaches the service range through node1, as an upstream
+    // router would route it.
+    cluster.route_from_client("10.96.0.0/16", 0);
+    let s = Sandbox {
+        agent,
+        api,
+        _servers: servers,
+        cluster,
+    };
+    let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
+    let unallocated = SocketAddrV4::new(Ipv4Addr::new(10, 96, 9, 9), 80);
+    let dropped = || packets(&s.cluster, 0, "drop_unallocated_service_ip");
+    let answered = || tcp_request(&s.cluster.client.ns, cluster_ip, "x").map(|r| r.server);
+
+    // Not in a service CIDR yet: the node's stack has the packet, and no
+    // route for it (it says so at once).
+    assert_eq!(answered().expect("the ClusterIP answers"), "a");
+    assert_eq!(ipv4_service_cidrs(&s.cluster, 0), 0);
+    let before = dropped();
+    let err = TcpClient::connect(&s.cluster.client.ns, unallocated).expect_err("nothing listens there");
+    assert_ne!(err.kind(), ErrorKind::TimedOut, "not dropped: {err}");
+    assert_eq!(dropped(), before, "not counted as unallocated");
+
+    // A ServiceCIDR added at run time: its unallocated addresses are dropped.
+    s.api.apply(&service_cidr("kubernetes", "10.96.0.0/16"));
+    s.eventually("the ServiceCIDR in force", || {
+        ipv4_service_cidrs(&s.cluster, 0) == 1
+    });
+    let err = TcpClient::connect(&s.cluster.client.ns, unallocated).expect_err("dropped");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "dropped: {err}");
+    assert!(dropped() > before, "counted as an unallocated service address");
+    assert_eq!(answered().expect("the allocated ClusterIP keeps answering"), "a");
+
+    // An invalid object is skipped and counted; more CIDRs than the
+    // datapath holds: the first 4 by name are kept (kubernetes < more-*),
+    // the rest counted. The drops go on.
+    s.api.apply(&service_cidr("bad", "not-a-cidr"));
+    for i in 1..=4 {
+        s.api.apply(&service_cidr(
+            &format!("more-{i}"),
+            &format!("10.{}.0.0/16", 96 + i),
+        ));
+    }
+    s.eventually("4 in force, 1 over the limit, 1 invalid", || {
+        ipv4_service_cidrs(&s.cluster, 0) == 4
+            && metric(&s.cluster, 0, "dataplane_service_cidrs_over_limit") == 1
+            && metric(&s.cluster, 0, "dataplane_invalid_service_cidrs_total") == 1
+    });
+    let before = dropped();
+    let err = TcpClient::connect(&s.cluster.client.ns, unallocated).expect_err("dropped");
+    assert_eq!(err.kind(), ErrorKind::TimedOut, "dropped: {err}");
+    assert!(dropped() > before);
+    for name in ["bad", "more-1", "more-2", "more-3", "more-4"] {
+        s.api.delete("ServiceCIDR", "", name);
+    }
+
+    // Deleted: the address is no longer dropped as unallocated.
+    s.api.delete("ServiceCIDR", "", "kubernetes");
+    s.eventually("the ServiceCIDR gone", || ipv4_service_cidrs(&s.cluster, 0) == 0);
+    let before = dropped();
+    let err = TcpClient::connect(&s.cluster.client.ns, unallocated).expect_err("nothing listens there");
+    assert_ne!(err.kind(), ErrorKind::TimedOut, "not dropped: {err}");
+    assert_eq!(dropped(), before, "not counted as unallocated");
+    assert_eq!(answered().expect("the ClusterIP answers"), "a");
 }

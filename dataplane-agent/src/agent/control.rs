@@ -14,6 +14,10 @@
 //!   event or a map changed behind the agent's back is repaired (and
 //!   counted). Every `sync_period`, or less often when re-reading the maps
 //!   takes long: it may use at most [`RECONCILE_BUDGET`] of a core.
+//! - **Service CIDRs**: once the store has synced, a change of the
+//!   ServiceCIDR objects rewrites the datapath's config at once (the union
+//!   with `--service-cidr`; [`crate::k8s::service_cidrs`]); no Service is
+//!   recomputed for it.
 //! - **Housekeeping** every second: pod interfaces (also at once on a
 //!   link, address or route notification), the node's addresses
 //!   (NodePort addresses follow them). The datapath's counters are not read
@@ -38,7 +42,15 @@ use super::{
     metrics::Metrics,
     sync::{SyncKind, SyncReport, Syncer, node_context},
 };
-use crate::{dataplane::Datapath, k8s::store::Store, state::model::NodeContext};
+use crate::{
+    dataplane::{Datapath, DatapathConfig},
+    k8s::{
+        service_cidrs::{self, MAX_SERVICE_CIDRS},
+        store::Store,
+    },
+    net::{IpCidr, IpFamily},
+    state::model::NodeContext,
+};
 use dataplane_common::names;
 
 /// What wakes the loop.
@@ -166,6 +178,23 @@ pub struct ControlLoop {
     pub syncer: Syncer,
     pub dp: Datapath,
     pub metrics: std::sync::Arc<Mutex<Metrics>>,
+    /// The datapath's config as written at start (from the flags); the
+    /// service CIDRs of ServiceCIDR objects are added to it.
+    pub dp_config: DatapathConfig,
+    /// `--cluster-cidr` and `--service-cidr`.
+    pub cluster_cidrs: Vec<IpCidr>,
+    pub service_cidr_flags: Vec<IpCidr>,
+}
+
+/// The service CIDRs the datapath's config holds.
+struct CidrsInForce {
+    applied: Vec<IpCidr>,
+    /// The CIDRs over the limit last warned about.
+    warned: Vec<IpCidr>,
+    /// A write failed: try again.
+    pending: bool,
+    /// The metrics show them.
+    reported: bool,
 }
 
 impl ControlLoop {
@@ -195,6 +224,13 @@ impl ControlLoop {
             node_changed: false,
         };
         let mut seen_triggers = BTreeSet::new();
+        let mut cidrs = CidrsInForce {
+            // What the start wrote (the flags alone).
+            applied: self.service_cidrs_for(&Default::default()).kept,
+            warned: Vec::new(),
+            pending: false,
+            reported: false,
+        };
         loop {
             let now = Instant::now();
             let deadline = clock.deadline(&store, &t, now);
@@ -238,6 +274,7 @@ impl ControlLoop {
             if !store.synced() {
                 continue;
             }
+            self.apply_service_cidrs(&mut store, &mut cidrs);
             let kind = if now >= clock.next_reconcile {
                 self.feed.resync();
                 SyncKind::Reconcile
@@ -275,6 +312,71 @@ impl ControlLoop {
             }
         }
         Ok(())
+    }
+
+    /// The families the node serves (those with a SNAT address).
+    fn families(&self) -> Vec<IpFamily> {
+        let mut f = Vec::new();
+        if self.dp_config.snat_ip.is_some() {
+            f.push(IpFamily::V4);
+        }
+        if self.dp_config.snat_ip6.is_some() {
+            f.push(IpFamily::V6);
+        }
+        f
+    }
+
+    /// What the datapath enforces of the flags and `objects`.
+    fn service_cidrs_for(&self, objects: &service_cidrs::ServiceCidrObjects) -> service_cidrs::Limited {
+        let all = service_cidrs::union(&self.service_cidr_flags, objects.cidrs());
+        service_cidrs::limit(&all, &self.families(), MAX_SERVICE_CIDRS)
+    }
+
+    /// Rewrites the datapath's config when the ServiceCIDR objects changed
+    /// the service CIDRs in force; reports invalid objects and CIDRs over
+    /// the datapath's limit.
+    fn apply_service_cidrs(&mut self, store: &mut Store, state: &mut CidrsInForce) {
+        let problems = store.service_cidrs_mut().take_problems();
+        for (name, why) in &problems {
+            warn!(service_cidr = %name, problem = %why, "ServiceCIDR skipped; the other service CIDRs are in force");
+        }
+        let changed = store.service_cidrs_mut().take_changed();
+        if problems.is_empty() && !changed && !state.pending && state.reported {
+            return;
+        }
+        let limited = self.service_cidrs_for(store.service_cidrs());
+        if !limited.over_limit.is_empty() && limited.over_limit != state.warned {
+            warn!(
+                enforced = %list(&limited.kept),
+                not_enforced = %list(&limited.over_limit),
+                max_per_family = MAX_SERVICE_CIDRS,
+                "more service CIDRs than the datapath holds: traffic to unallocated addresses of the rest is not dropped"
+            );
+        }
+        state.warned = limited.over_limit.clone();
+        if limited.kept != state.applied || state.pending {
+            let mut c = self.dp_config.clone();
+            c.set_cidrs(&self.cluster_cidrs, &limited.kept);
+            match self.dp.maps_mut().set_config(&c) {
+                Ok(()) => {
+                    info!(service_cidrs = %list(&limited.kept), service_cidr_objects = store.service_cidrs().len(), "service CIDRs in force");
+                    state.applied = limited.kept.clone();
+                    state.pending = false;
+                }
+                Err(e) => {
+                    warn!(error = %e, "cannot write the service CIDRs to the datapath's config; retrying");
+                    state.pending = true;
+                }
+            }
+        }
+        state.reported = true;
+        let mut m = self.metrics.lock().expect("metrics");
+        m.invalid_service_cidrs += problems.len() as u64;
+        m.service_cidrs_over_limit = limited.over_limit.len() as u64;
+        for (family, label) in [(IpFamily::V4, "ipv4"), (IpFamily::V6, "ipv6")] {
+            let n = state.applied.iter().filter(|c| c.family() == family).count();
+            m.service_cidrs.insert(label, n as u64);
+        }
     }
 
     /// Applies one event; false on Stop.
@@ -325,6 +427,10 @@ impl ControlLoop {
             seen_triggers.clear();
         }
     }
+}
+
+fn list(cidrs: &[IpCidr]) -> String {
+    cidrs.iter().map(|c| c.to_string()).collect::<Vec<_>>().join(",")
 }
 
 fn log_sync(report: &SyncReport, store: &Store) {

@@ -38,6 +38,7 @@ use super::{
 use crate::k8s::{
     manifests::{self, Look, ManifestSource, Objects, Problem},
     model::{ServiceInfo, SliceInfo, proxied},
+    service_cidrs::ServiceCidrInfo,
     store::{ObjectKey, Store},
 };
 
@@ -47,6 +48,9 @@ struct LoadedFile {
     services: Vec<ObjectKey>,
     slices: Vec<ObjectKey>,
     has_node: bool,
+    /// Its ServiceCIDRs (a few; kept whole: the set in force is their
+    /// union over every file).
+    service_cidrs: Vec<ServiceCidrInfo>,
 }
 
 impl LoadedFile {
@@ -55,6 +59,7 @@ impl LoadedFile {
             services: objects.services.iter().map(|s| s.key.clone()).collect(),
             slices: objects.slices.iter().map(|s| s.key.clone()).collect(),
             has_node: objects.node.is_some(),
+            service_cidrs: objects.service_cidrs.clone(),
         }
     }
 }
@@ -67,6 +72,7 @@ struct FileObjects {
     slices: Vec<SliceInfo>,
     /// This node's Node, if the file holds it.
     node: Option<Node>,
+    service_cidrs: Vec<ServiceCidrInfo>,
 }
 
 impl FileObjects {
@@ -90,6 +96,7 @@ impl FileObjects {
                 .nodes
                 .into_iter()
                 .find(|n| n.metadata.name.as_deref() == Some(node_name)),
+            service_cidrs: objects.service_cidrs.iter().map(ServiceCidrInfo::parse).collect(),
         }
     }
 }
@@ -247,6 +254,15 @@ impl ManifestFeed {
         for (file, objects) in update.files {
             self.apply(store, file, objects);
         }
+        self.replace_service_cidrs(store);
+    }
+
+    /// The ServiceCIDRs of every file (the store notes whether they
+    /// changed).
+    fn replace_service_cidrs(&self, store: &mut Store) {
+        store
+            .service_cidrs_mut()
+            .replace(self.files.values().flat_map(|f| f.service_cidrs.iter().cloned()));
     }
 
     /// The first complete set is the initial list.
@@ -266,6 +282,7 @@ impl ManifestFeed {
         }
         store.replace_service_infos(services);
         store.replace_slice_infos(slices);
+        self.replace_service_cidrs(store);
         self.loaded = true;
         info!(
             files = self.files.len(),
@@ -305,6 +322,7 @@ impl ManifestFeed {
                 .filter(|k| !kept_slices.contains(k))
                 .collect(),
             has_node: false,
+            service_cidrs: Vec::new(),
         };
         self.files.insert(file, loaded);
         self.forget(store, &gone);
@@ -604,5 +622,6 @@ pub fn describe(change: &Change) -> &'static str {
         Change::Services(_) => "services",
         Change::Slices(_) => "endpointslices",
         Change::Node(_) => "node",
+        Change::ServiceCidrs(_) => "servicecidrs",
     }
 }

@@ -1,5 +1,5 @@
 //! The Kubernetes API source: kube-rs watchers for Services, EndpointSlices
-//! (with kube-proxy's label selectors) and this Node, on a tokio runtime of
+//! (with kube-proxy's label selectors), this Node and the ServiceCIDRs, on a tokio runtime of
 //! their own; changes reach the sync loop through its event channel, each
 //! waking it. Objects are parsed into the store's compact form on the
 //! watchers' thread, so full objects never pile up (an initial list of
@@ -12,6 +12,7 @@ use futures::{StreamExt as _, stream::BoxStream};
 use k8s_openapi::api::{
     core::v1::{Node, ObjectReference, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 use kube::{
     Api, Client, Config,
@@ -27,6 +28,7 @@ use tracing::{info, warn};
 use super::control::Event;
 use crate::k8s::{
     model::{ServiceInfo, SliceInfo, proxied},
+    service_cidrs::ServiceCidrInfo,
     store::{ObjectKey, Store},
 };
 
@@ -39,6 +41,7 @@ pub enum Change {
     Services(Delta<ServiceInfo>),
     Slices(Delta<SliceInfo>),
     Node(Delta<Node>),
+    ServiceCidrs(Delta<ServiceCidrInfo>),
 }
 
 // Objects travel boxed: the variants' sizes differ by hundreds of bytes.
@@ -89,6 +92,13 @@ impl Parse for Node {
         self.metadata.managed_fields = None;
         self.status = None;
         Ok(self)
+    }
+}
+
+impl Parse for ServiceCIDR {
+    type Kept = ServiceCidrInfo;
+    fn parse(self) -> Result<ServiceCidrInfo, ObjectKey> {
+        Ok(ServiceCidrInfo::parse(&self))
     }
 }
 
@@ -222,6 +232,15 @@ impl KubeSource {
                     let nodes = watcher(Api::<Node>::all(client.clone()), node_cfg)
                         .default_backoff()
                         .boxed();
+                    // Cluster-scoped, every one (kube-proxy's ServiceCIDR
+                    // informer): an API server without them (before 1.33)
+                    // or missing RBAC leaves only --service-cidr in force.
+                    let service_cidrs = watcher(
+                        Api::<ServiceCIDR>::all(client.clone()),
+                        watcher::Config::default(),
+                    )
+                    .default_backoff()
+                    .boxed();
                     let recorder = Recorder::new(
                         client,
                         Reporter {
@@ -246,7 +265,8 @@ impl KubeSource {
                     futures::join!(
                         forward("services", services, tx.clone(), Change::Services),
                         forward("endpointslices", slices, tx.clone(), Change::Slices),
-                        forward("node", nodes, tx, Change::Node),
+                        forward("node", nodes, tx.clone(), Change::Node),
+                        forward("servicecidrs", service_cidrs, tx, Change::ServiceCidrs),
                         publish,
                     );
                 });
@@ -275,6 +295,11 @@ impl KubeSource {
                 Delta::Apply(n) if n.metadata.name.as_deref() == Some(node_name) => store.set_node(Some(*n)),
                 Delta::Apply(_) => {}
                 Delta::Delete(_) => store.set_node(None),
+            },
+            Change::ServiceCidrs(d) => match d {
+                Delta::Replace(items) => store.service_cidrs_mut().replace(items),
+                Delta::Apply(i) => store.service_cidrs_mut().upsert(*i),
+                Delta::Delete(key) => store.service_cidrs_mut().remove(&key.name),
             },
         }
     }

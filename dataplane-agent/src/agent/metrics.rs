@@ -62,6 +62,12 @@ pub struct Metrics {
     /// The last sweep of the assured conntrack copies, and the period.
     pub conntrack_gc_seconds: f64,
     pub conntrack_gc_interval_seconds: f64,
+    /// Service CIDRs the datapath enforces, by family ("ipv4", "ipv6").
+    pub service_cidrs: BTreeMap<&'static str, u64>,
+    /// Service CIDRs beyond what the datapath holds: not enforced.
+    pub service_cidrs_over_limit: u64,
+    /// ServiceCIDR objects skipped as invalid.
+    pub invalid_service_cidrs: u64,
     /// Pod-facing interfaces the datapath is attached to.
     pub pod_interfaces: u64,
     /// Local endpoints that no attached pod interface leads to.
@@ -93,6 +99,9 @@ impl Default for Metrics {
             conntrack_pressure: 0.0,
             conntrack_gc_seconds: 0.0,
             conntrack_gc_interval_seconds: 0.0,
+            service_cidrs: BTreeMap::new(),
+            service_cidrs_over_limit: 0,
+            invalid_service_cidrs: 0,
             pod_interfaces: 0,
             unreachable_local_endpoints: 0,
             lb: Default::default(),
@@ -237,6 +246,31 @@ impl Metrics {
                 )
             }),
             const_counter,
+        )?;
+        family(
+            enc,
+            "dataplane_service_cidrs",
+            "Service CIDRs the datapath enforces (--service-cidr and ServiceCIDR objects): traffic to an address in them that no Service holds is dropped",
+            MetricType::Gauge,
+            ["ipv4", "ipv6"].map(|family| {
+                (
+                    vec![("family", family)],
+                    self.service_cidrs.get(family).copied().unwrap_or(0),
+                )
+            }),
+            const_gauge,
+        )?;
+        gauge(
+            enc,
+            "dataplane_service_cidrs_over_limit",
+            "Service CIDRs beyond the datapath's limit per family, not enforced (see the agent's log)",
+            self.service_cidrs_over_limit,
+        )?;
+        counter(
+            enc,
+            "dataplane_invalid_service_cidrs",
+            "ServiceCIDR objects skipped because a CIDR of theirs does not parse",
+            self.invalid_service_cidrs,
         )?;
         gauge(
             enc,

@@ -182,8 +182,9 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
             .context("starting the Kubernetes source")?,
         ),
     };
+    let dp_config = datapath_config(&cfg);
     dp.maps_mut()
-        .set_config(&datapath_config(&cfg))
+        .set_config(&dp_config)
         .context("writing the datapath config")?;
     let adopted = dp.maps().read_table().context("reading the pinned maps")?;
     info!(
@@ -301,6 +302,9 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         syncer,
         dp,
         metrics: metrics.clone(),
+        dp_config,
+        cluster_cidrs: cfg.cluster_cidrs.clone(),
+        service_cidr_flags: cfg.service_cidrs.clone(),
     };
     let mut hooks = AgentHooks {
         cfg: &cfg,

@@ -258,7 +258,18 @@ fn prepare(
         describe(&dp);
     }
     let mut config = DatapathConfig::for_node(&args.node_ip);
-    config.set_cidrs(&args.cluster_cidr, &args.service_cidr);
+    // With --manifests, their ServiceCIDRs count too, as for `run`.
+    let service_cidrs = match &objects {
+        Some(o) => {
+            use crate::k8s::service_cidrs::{self, MAX_SERVICE_CIDRS, ServiceCidrInfo, ServiceCidrObjects};
+            let mut set = ServiceCidrObjects::default();
+            set.replace(o.service_cidrs.iter().map(ServiceCidrInfo::parse));
+            let all = service_cidrs::union(&args.service_cidr, set.cidrs());
+            service_cidrs::limit(&all, &crate::net::IpFamily::BOTH, MAX_SERVICE_CIDRS).kept
+        }
+        None => args.service_cidr.clone(),
+    };
+    config.set_cidrs(&args.cluster_cidr, &service_cidrs);
     config.masquerade_all = args.masquerade_all;
     dp.maps_mut().set_config(&config)?;
     let names = match (live, objects) {

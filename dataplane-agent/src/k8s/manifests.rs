@@ -25,8 +25,11 @@ use std::{
 use k8s_openapi::api::{
     core::v1::{Node, Service},
     discovery::v1::EndpointSlice,
+    networking::v1::ServiceCIDR,
 };
 use serde_saphyr::Spanned;
+
+use super::service_cidrs::ServiceCidrInfo;
 
 /// Files larger than this are refused (the last good set stays).
 pub const MAX_FILE_BYTES: u64 = 256 << 20;
@@ -112,6 +115,9 @@ pub struct Objects {
     pub services: Vec<Service>,
     pub slices: Vec<EndpointSlice>,
     pub nodes: Vec<Node>,
+    /// `networking.k8s.io/v1` ServiceCIDRs: their CIDRs are service CIDRs
+    /// too, with `--service-cidr`'s.
+    pub service_cidrs: Vec<ServiceCIDR>,
     pub problems: Vec<Problem>,
 }
 
@@ -126,16 +132,20 @@ impl Objects {
                 .into_iter()
                 .find(|n| n.metadata.name.as_deref() == Some(node_name)),
         );
+        store
+            .service_cidrs_mut()
+            .replace(self.service_cidrs.iter().map(ServiceCidrInfo::parse));
     }
 
     fn len(&self) -> usize {
-        self.services.len() + self.slices.len() + self.nodes.len()
+        self.services.len() + self.slices.len() + self.nodes.len() + self.service_cidrs.len()
     }
 
     fn extend(&mut self, other: &Objects) {
         self.services.extend(other.services.iter().cloned());
         self.slices.extend(other.slices.iter().cloned());
         self.nodes.extend(other.nodes.iter().cloned());
+        self.service_cidrs.extend(other.service_cidrs.iter().cloned());
     }
 }
 
@@ -293,13 +303,16 @@ fn add_value(value: serde_json::Value, origin: &str, objects: &mut Objects) -> R
         .and_then(|n| n.as_str())
         .unwrap_or("")
         .to_owned();
-    let needs_name = matches!(kind.as_str(), "Service" | "EndpointSlice" | "Node");
+    let needs_name = matches!(
+        kind.as_str(),
+        "Service" | "EndpointSlice" | "Node" | "ServiceCIDR"
+    );
     if needs_name && name.is_empty() {
         return Err(invalid(format!("a {kind} without metadata.name")));
     }
     let what = |e: serde_json::Error| invalid(format!("invalid {kind} {name:?}: {e}"));
     match kind.as_str() {
-        "List" | "ServiceList" | "EndpointSliceList" | "NodeList" => {
+        "List" | "ServiceList" | "EndpointSliceList" | "NodeList" | "ServiceCIDRList" => {
             let Some(serde_json::Value::Array(items)) = value.get("items").cloned() else {
                 return Err(invalid(format!("a {kind} without `items`")));
             };
@@ -312,6 +325,9 @@ fn add_value(value: serde_json::Value, origin: &str, objects: &mut Objects) -> R
             .push(serde_json::from_value(value).map_err(what)?),
         "EndpointSlice" => objects.slices.push(serde_json::from_value(value).map_err(what)?),
         "Node" => objects.nodes.push(serde_json::from_value(value).map_err(what)?),
+        "ServiceCIDR" => objects
+            .service_cidrs
+            .push(serde_json::from_value(value).map_err(what)?),
         other => objects.problems.push(Problem::new(
             origin,
             SkipReason::UnsupportedKind,
@@ -815,6 +831,23 @@ mod tests {
             let p = parse(doc, "f.yaml").expect_err(why);
             assert!(p.message.contains(why), "{p}");
         }
+    }
+
+    #[test]
+    fn service_cidrs_are_read_and_reach_the_store() {
+        let text = format!(
+            "apiVersion: networking.k8s.io/v1\nkind: ServiceCIDR\nmetadata: {{name: extra}}\nspec: {{cidrs: [10.100.0.0/24, 'fd00:100::/112']}}\n---\n{WEB}"
+        );
+        let o = parse(&text, "f.yaml").expect("valid");
+        assert!(o.problems.is_empty(), "{:?}", o.problems);
+        assert_eq!((o.services.len(), o.service_cidrs.len()), (1, 1));
+        let mut store = super::super::store::Store::default();
+        o.replace_store(&mut store, "node1");
+        assert!(store.service_cidrs_mut().take_changed());
+        let cidrs: Vec<String> = store.service_cidrs().cidrs().map(|c| c.to_string()).collect();
+        assert_eq!(cidrs, ["10.100.0.0/24", "fd00:100::/112"]);
+        let p = parse("kind: ServiceCIDR\nspec: {cidrs: [10.0.0.0/8]}\n", "f.yaml").expect_err("no name");
+        assert!(p.message.contains("without metadata.name"), "{p}");
     }
 
     #[test]

@@ -5,6 +5,9 @@
 //!   duplicates, topology, named ports, LoadBalancer ipMode.
 //! - [`store`]: the objects as the sources deliver them, and the service ids.
 //! - [`manifests`]: a source reading multi-document YAML files.
+//! - [`service_cidrs`]: the service CIDRs in force (flags and ServiceCIDR
+//!   objects).
 pub mod manifests;
 pub mod model;
+pub mod service_cidrs;
 pub mod store;

@@ -18,6 +18,7 @@ use k8s_openapi::api::{
 
 pub use super::model::ObjectKey;
 use super::model::{NodeInfo, ServiceInfo, Skipped, SliceInfo, ports_of, proxied, skipped_of};
+use super::service_cidrs::ServiceCidrObjects;
 use crate::state::model::ServicePort;
 
 /// The key of an object's metadata.
@@ -79,6 +80,9 @@ pub struct Store {
     changes: Changes,
     /// The last first-seen sequence number given.
     seen: u64,
+    /// ServiceCIDR objects (they change the datapath's config, not the
+    /// service table: no Service is recomputed for them).
+    service_cidrs: ServiceCidrObjects,
 }
 
 /// One Service as a sync needs it: see [`Store::service_for_sync`].
@@ -95,6 +99,15 @@ impl Store {
     /// EndpointSlices have been listed once.
     pub fn synced(&self) -> bool {
         self.services_synced && self.slices_synced
+    }
+
+    /// The ServiceCIDR objects delivered so far.
+    pub fn service_cidrs(&self) -> &ServiceCidrObjects {
+        &self.service_cidrs
+    }
+
+    pub fn service_cidrs_mut(&mut self) -> &mut ServiceCidrObjects {
+        &mut self.service_cidrs
     }
 
     pub fn node(&self) -> Option<&Node> {
