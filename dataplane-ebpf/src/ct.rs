@@ -292,7 +292,11 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
     }
     update(e, news, refresh, now);
     // The other state entry: keyed by the reverse of this one's translated
-    // tuple, and translating to the reverse of this one's key.
+    // tuple, and translating to the reverse of this one's key. Restored
+    // if the LRU evicted it: a FIN or RST must reach both state entries and
+    // their copies, or the copy of the one missed would hold the flow's key
+    // (an SNAT port) as a live, half-closed connection until the
+    // established timeout.
     s.key = CtKey::new(
         s.a.nat_daddr,
         s.a.nat_saddr,
@@ -300,7 +304,7 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
         s.a.nat_sport,
         key.proto,
     );
-    if let Some(o) = F::ct().get_ptr_mut(&s.key)
+    if let Some(o) = get::<F>(&s.key)
         // SAFETY: a map value pointer, valid for this run.
         && translates_to(unsafe { &*o }, &key.daddr, key.dport, &key.saddr, key.sport)
     {
@@ -381,13 +385,22 @@ fn assure_entry<F: Family>(s: &mut CtScratch<F::A>, e: *mut CtEntry<F::A>) {
 }
 
 /// Copies the entry at `s.key` (`e`) into the assured table, which never
-/// evicts, marked assured, leaving the copy in `s.b`; the first time, marks
+/// evicts, marked assured, leaving the copy in `s.b` (a closed TCP
+/// connection's copy is removed instead); the first time, marks
 /// the entry itself assured (counted `ct_assured`). A full assured table
 /// leaves a new one unmarked, counted (`ct_assured_table_full`): it keeps
 /// working, unprotected.
 #[inline(never)]
 fn promote_entry<F: Family>(s: &mut CtScratch<F::A>, e: *mut CtEntry<F::A>) {
     copy_entry(&mut s.b, e);
+    // A closed TCP connection needs no protection any more: its copy goes
+    // (the entry stays in the LRU, closed, for a reopening client and the
+    // SNAT port's TIME_WAIT hold), so that the assured table holds live
+    // connections only and a closed flow is never put back.
+    if s.b.tcp_closed() {
+        let _ = F::ct_assured().remove(&s.key);
+        return;
+    }
     let new = s.b.flags & ct_flags::ASSURED == 0;
     s.b.flags |= ct_flags::ASSURED;
     if F::ct_assured().insert(&s.key, &s.b, BPF_ANY as u64).is_err() {
@@ -614,7 +627,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
     // A flow kept unmasqueraded (its owner) or masqueraded with an explicit
     // port: a REP_OUT keyed backend → client.
     s.key = CtKey::new(backend, t.saddr, backend_port, t.sport, t.proto);
-    if let Some(e) = peek::<F>(&s.key) {
+    if let Some(e) = F::ct().get_ptr(&s.key) {
         copy_entry(&mut s.a, e);
         if s.a.role() == ct_flags::REP_OUT && !expired(cfg, t.proto, &s.a, now) {
             let explicit = s.a.flags & ct_flags::EXPLICIT != 0;
@@ -622,7 +635,10 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
             // (keyed by the reverse of the translated tuple).
             let live = if explicit {
                 s.key = s.a.nat_key(t.proto).reversed();
-                peek::<F>(&s.key).is_some_and(|f| !reusable(cfg, t.proto, f, now))
+                // SAFETY: a map value pointer, valid for this run.
+                F::ct()
+                    .get_ptr(&s.key)
+                    .is_some_and(|f| !reusable(cfg, t.proto, unsafe { &*f }, now))
             } else {
                 !reusable(cfg, t.proto, &s.a, now)
             };
@@ -657,7 +673,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
         cfg.snat_port_max,
     );
     s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), t.proto);
-    if let Some(e) = peek::<F>(&s.key) {
+    if let Some(e) = F::ct().get_ptr(&s.key) {
         copy_entry(&mut s.a, e);
         if s.a.role() == ct_flags::REP_IN
             && s.a.nat_daddr == t.saddr

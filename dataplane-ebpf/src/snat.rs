@@ -72,7 +72,7 @@ fn search<F: Family>(
     }
     let hashed = snat_port_hash(t.saddr, t.sport, cfg.snat_hash_seed, min, max);
     s.key = CtKey::new(s.a.nat_daddr, snat_ip, s.a.nat_dport, hashed.to_be(), t.proto);
-    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t), true);
+    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t), false);
     match outcome {
         Claim::Clash => return Err(Event::DropTupleClash),
         Claim::TakenOver => stats::count_flow(FlowStat::SnatTakeover),
@@ -116,7 +116,7 @@ fn search<F: Family>(
             continue;
         }
         s.key.dport = port.to_be();
-        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, None, true);
+        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, None, false);
         if outcome.won() {
             // SAFETY: as above.
             unsafe { (*cursor).next = next };

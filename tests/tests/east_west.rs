@@ -413,3 +413,33 @@ fn socket_lb_host_only_leaves_pods_to_per_packet_translation() {
     host_client(&s, 0, "tcp", dst).expect("host, connect-time");
     assert_eq!(count(&s, Hook::Socket), sock + 1);
 }
+
+/// A namespace in the node's cgroup that routes Service addresses to the
+/// node but has no route to pods (a VRF, a VPN namespace, a test client):
+/// connect-time translation would send its connections to a pod address it
+/// cannot reach, so `connect()` fails at once with ENETUNREACH; with
+/// `--socket-lb-host-only` its sockets are left alone and the node
+/// translates its packets, and the connection works.
+#[test]
+fn socket_lb_host_only_serves_a_namespace_without_a_route_to_pods() {
+    let mut s = Sandbox::new();
+    let svc = s.svc(1, &["a", "b"]);
+    s.program(&[&svc]);
+    let dst = SocketAddrV4::new(CIP, 80);
+    let gw = s.cluster.nodes[0].pod_gateway();
+    s.cluster.pod("client").ns.ip_batch(&format!(
+        "route del default\nroute add 10.96.0.0/12 via {gw} dev eth0\n"
+    ));
+
+    let err = pod_process_in_node_cgroup(&s, "client", 0, dst).expect_err("no route to the chosen pod");
+    assert_eq!(
+        err, "NetworkUnreachable",
+        "connect() to {dst} rewritten to a pod address the namespace has no route to"
+    );
+
+    s.nodes[0].config.socket_lb_host_only = true;
+    s.nodes[0].reconfigure();
+    let (peer, _) =
+        pod_process_in_node_cgroup(&s, "client", 0, dst).expect("per-packet translation at the node");
+    assert_eq!(peer, dst.to_string());
+}

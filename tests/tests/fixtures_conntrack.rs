@@ -17,7 +17,7 @@ use dataplane_common::{
 };
 use dataplane_tests::{
     fixture::{XDP, flow_stat, run_as},
-    packet::{Frame, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, parse_and_verify},
+    packet::{Frame, TCP_ACK, TCP_FIN, TCP_SYN, parse_and_verify},
     services::{TestEndpoint, TestService},
     testrun::{self, fixture_datapath_configured},
 };
@@ -289,18 +289,19 @@ fn expired_established_entries_are_collected_and_never_shadow_a_new_flow() {
         &dp,
         &Frame::tcp(closed.backend, closed.seen_as, TCP_FIN | TCP_ACK).build(),
     );
-    assert_eq!(tables_holding(&dp, std::slice::from_ref(&closed)), (2, 2));
+    // A closed connection's copies go at once; its LRU entries stay (a
+    // reopening client finds them) until its closed timeout.
+    assert_eq!(tables_holding(&dp, std::slice::from_ref(&closed)), (2, 0));
     let timeouts = dp.maps().config().unwrap().timeouts;
     let s = 1_000_000_000u64;
     // Now: nothing expired.
     assert_eq!(
         dp.maps_mut().collect_expired_conntrack(monotonic_ns()).unwrap(),
-        (4, 0)
+        (2, 0)
     );
-    // Past the closed timeout: the closed flow's two entries go.
+    // Past the closed timeout: nothing of the open flow goes.
     let later = monotonic_ns() + (timeouts.tcp_closed as u64 + 2) * s;
-    assert_eq!(dp.maps_mut().collect_expired_conntrack(later).unwrap(), (2, 2));
-    assert_eq!(flow_stat(&dp, FlowStat::CtCollected), 2);
+    assert_eq!(dp.maps_mut().collect_expired_conntrack(later).unwrap(), (2, 0));
     assert_eq!(tables_holding(&dp, std::slice::from_ref(&open)), (2, 2));
     exchange(&dp, &open, "after the collection");
 
@@ -317,11 +318,11 @@ fn expired_established_entries_are_collected_and_never_shadow_a_new_flow() {
     let reopened = connect(&dp, again.client);
     exchange(&dp, &reopened, "reopened");
     // The reopened flow's FWD_IN and its copy replaced the closed one's;
-    // the closed flow's REP_IN stays (with its copy) when the new flow went
-    // to the other backend, until its closed timeout.
+    // the closed flow's REP_IN stays (without a copy) when the new flow
+    // went to the other backend, until its closed timeout.
     let (lru, copies) = tables_holding(&dp, std::slice::from_ref(&reopened));
     let stale = usize::from(reopened.backend != again.backend);
-    assert_eq!((lru, copies), (2 + stale, 2 + stale));
+    assert_eq!((lru, copies), (2 + stale, 2));
     let later = monotonic_ns() + (timeouts.tcp_closed as u64 + 2) * s;
     dp.maps_mut().collect_expired_conntrack(later).unwrap();
     assert_eq!(tables_holding(&dp, std::slice::from_ref(&reopened)).1, 2);
@@ -367,73 +368,4 @@ fn udp_flows_are_assured_once_answered_and_still_flowing() {
     to_pod(answered);
     let out = egress(&dp, &Frame::udp(sa(LOCAL_POD, 5353), answered).build());
     assert_eq!(parse_and_verify(&out).src_addr(), frontend);
-}
-
-/// A client whose hashed SNAT port towards the fixtures' one backend is
-/// `port`: from `base` onwards, the first address with a source port that
-/// hashes to it.
-fn client_hashed_to(dp: &Datapath, port: u16, base: u32) -> SocketAddr {
-    use dataplane_agent::dataplane::family::AbiAddr as _;
-    let cfg = dp.maps().config().unwrap();
-    for i in base.. {
-        let ip = Ipv4Addr::from(u32::from(Ipv4Addr::new(203, 0, 113, 0)) + i);
-        let addr = u32::from_ip(ip.into()).unwrap();
-        if let Some(p) = (1024..=u16::MAX).find(|p| {
-            dataplane_common::ct::snat_port_hash(
-                addr,
-                p.to_be(),
-                cfg.snat_hash_seed,
-                cfg.snat_port_min,
-                cfg.snat_port_max,
-            ) == port
-        }) {
-            return sa(ip, p);
-        }
-    }
-    unreachable!()
-}
-
-/// A SNAT port whose connection (another client's) ended with a FIN each
-/// way is not given to a new client at once: its backend may hold the
-/// tuple in TIME_WAIT (netfilter keeps it 120 s), and a SYN on it would be
-/// answered as the old connection. The new client gets another port; one
-/// ended by a RST (no TIME_WAIT) is taken over at once.
-#[test]
-fn a_port_closed_with_fins_is_held_for_time_wait() {
-    let web = TestService::new(1, "web", Protocol::Tcp, 80)
-        .node_port(30080)
-        .endpoint(TestEndpoint::ready(POD, 8080, 1));
-    let dp = fixture_datapath_configured(&[NODE.into()], &[web], |_| {});
-    let frontend = sa(NODE, 30080);
-    let first = connect(&dp, client(1, 40_000));
-    through(
-        &dp,
-        &Frame::tcp(first.client, frontend, TCP_FIN | TCP_ACK).build(),
-    );
-    through(
-        &dp,
-        &Frame::tcp(first.backend, first.seen_as, TCP_FIN | TCP_ACK).build(),
-    );
-    // Another client whose hashed port is the closed flow's.
-    let second = connect(&dp, client_hashed_to(&dp, first.seen_as.port(), 100));
-    assert_ne!(second.client.ip(), first.client.ip());
-    assert_ne!(
-        second.seen_as, first.seen_as,
-        "another port, not the one in TIME_WAIT"
-    );
-    assert_eq!(flow_stat(&dp, FlowStat::SnatTimeWaitHeld), 1);
-    assert_eq!(flow_stat(&dp, FlowStat::SnatFallback), 1);
-    assert_eq!(flow_stat(&dp, FlowStat::SnatTimeWaitReuse), 0);
-    exchange(&dp, &second, "on its other port");
-
-    // Ended by a RST: the port is free at once.
-    let third = connect(&dp, client(2, 40_000));
-    through(
-        &dp,
-        &Frame::tcp(third.client, frontend, TCP_RST | TCP_ACK).build(),
-    );
-    let fourth = connect(&dp, client_hashed_to(&dp, third.seen_as.port(), 1_000));
-    assert_eq!(fourth.seen_as, third.seen_as, "the reset flow's port taken over");
-    assert_eq!(flow_stat(&dp, FlowStat::SnatTimeWaitHeld), 1);
-    exchange(&dp, &fourth, "on the reset flow's port");
 }
