@@ -51,7 +51,15 @@ pub fn run(cargo_test_args: &[String]) -> anyhow::Result<()> {
     let tests = step("BPF packet tests and end-to-end tests (privileged)", || {
         cargo_test(
             cmd::cargo()
-                .args(["test", "--package", "dataplane-tests", "--tests"])
+                // Every test binary runs even when one fails: one run
+                // reports every failure.
+                .args([
+                    "test",
+                    "--no-fail-fast",
+                    "--package",
+                    "dataplane-tests",
+                    "--tests",
+                ])
                 .args(cargo_test_args),
             &mut tally,
         )

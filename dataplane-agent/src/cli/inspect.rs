@@ -247,15 +247,26 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
             rows.extend(rows6);
             total += total6;
             let occupancy = maps.occupancy();
-            let capacity: u64 = [names::CT4, names::CT6, names::CT4_ASSURED, names::CT6_ASSURED]
-                .iter()
-                .filter_map(|n| occupancy.get(n))
-                .map(|(_, c)| *c)
-                .sum();
+            // The LRU tables hold every flow; the assured tables hold copies
+            // of established flows only (restored when the LRU evicts them).
+            let sum = |tables: [&str; 2]| -> (u64, u64) {
+                tables
+                    .iter()
+                    .filter_map(|n| occupancy.get(*n))
+                    .fold((0, 0), |(e, c), (n, cap)| (e + n, c + cap))
+            };
+            let (_, capacity) = sum([names::CT4, names::CT6]);
+            let (assured, assured_capacity) = sum([names::CT4_ASSURED, names::CT6_ASSURED]);
             let count = rows.len();
             print(
                 &args.output,
-                json!({"entries": rows, "count": count, "total": total, "capacity": capacity}),
+                json!({
+                    "entries": rows,
+                    "count": count,
+                    "total": total,
+                    "capacity": capacity,
+                    "assured": {"entries": assured, "capacity": assured_capacity},
+                }),
                 || {
                     let w = rows
                         .iter()
@@ -280,7 +291,10 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                             r["service"].as_str().unwrap_or("")
                         ));
                     }
-                    out.push_str(&format!("{count} shown, {total} entries, capacity {capacity}\n"));
+                    out.push_str(&format!(
+                        "{count} shown, {total} entries, capacity {capacity}; \
+                         assured copies {assured} of {assured_capacity}\n"
+                    ));
                     out
                 },
             )
