@@ -170,6 +170,12 @@ pub mod config_flags {
     /// [`crate::names::XDP_DEVICES`]) after applying the source rewrite the
     /// egress hook would have made (see `dataplane-ebpf/src/route.rs`).
     pub const HOST_ROUTING: u32 = 1 << 4;
+    /// Localhost NodePorts (kube-proxy's iptables `localhostNodePorts`):
+    /// the node's own sockets connecting to 127.0.0.1:NODEPORT or
+    /// [::1]:NODEPORT get the NodePort of the node's primary address of
+    /// that family, at connect time. Packets never are translated for a
+    /// loopback destination.
+    pub const LOCALHOST_NODEPORTS: u32 = 1 << 5;
 }
 
 impl DpConfig {

@@ -64,6 +64,9 @@ pub trait Family: 'static {
     fn in_cluster(cfg: &DpConfig, a: &Self::A) -> bool;
     fn cluster_cidr_set(cfg: &DpConfig) -> bool;
     fn in_service_cidr(cfg: &DpConfig, a: &Self::A) -> bool;
+    /// `a` is a loopback address (127.0.0.0/8, ::1): only the node's own
+    /// sockets may use one as a Service address (`--localhost-nodeports`).
+    fn is_loopback(a: &Self::A) -> bool;
 }
 
 pub struct V4;
@@ -138,6 +141,11 @@ impl Family for V4 {
     fn in_service_cidr(cfg: &DpConfig, a: &u32) -> bool {
         cfg.in_service_cidr(*a)
     }
+    #[inline(always)]
+    fn is_loopback(a: &u32) -> bool {
+        // Network order: the first octet is the lowest-addressed byte.
+        u32::from_be(*a) >> 24 == 127
+    }
 }
 
 impl Family for V6 {
@@ -208,5 +216,9 @@ impl Family for V6 {
     #[inline(always)]
     fn in_service_cidr(cfg: &DpConfig, a: &Ip6) -> bool {
         cfg.in_service_cidr6(a)
+    }
+    #[inline(always)]
+    fn is_loopback(a: &Ip6) -> bool {
+        a[0] == 0 && a[1] == 0 && a[2] == 0 && u32::from_be(a[3]) == 1
     }
 }

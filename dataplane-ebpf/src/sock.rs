@@ -57,15 +57,18 @@ fn deny(errno: i32) -> i32 {
     DENY
 }
 
-/// The config, if connect-time translation applies to this socket.
+/// The config, if connect-time translation applies to this socket: any
+/// network namespace in the cgroup, or the node's alone with
+/// `--socket-lb-host-only` and always for a loopback destination (a pod's
+/// 127.0.0.1 is its own; localhost NodePorts are the node's).
 #[inline(always)]
-fn applies(ctx: &SockAddrContext) -> Option<&'static DpConfig> {
+fn applies<F: Family>(ctx: &SockAddrContext, daddr: &F::A) -> Option<&'static DpConfig> {
     let cfg = CONFIG.get(0)?;
     if cfg.flags & config_flags::CONFIGURED == 0 {
         return None;
     }
     // SAFETY: helper on our own context.
-    if cfg.flags & config_flags::SOCKET_LB_HOST_ONLY != 0
+    if (cfg.flags & config_flags::SOCKET_LB_HOST_ONLY != 0 || F::is_loopback(daddr))
         && unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) } != cfg.host_netns_cookie
     {
         return None;
@@ -76,11 +79,23 @@ fn applies(ctx: &SockAddrContext) -> Option<&'static DpConfig> {
 /// The backend a socket to `daddr:dport` gets, as the packet path would
 /// choose it for the node itself as the source: in the cluster (eTP=Local
 /// external destinations use the cluster set), its own address for source
-/// ranges.
+/// ranges. A loopback destination is a localhost NodePort: the node's
+/// primary address of the family stands in for it (when the agent enables
+/// them). The socket then picks its source for the backend's route: an
+/// address of the node, never 127.0.0.1, as kube-proxy's MASQUERADE of
+/// localhost NodePorts gives.
 #[inline(always)]
 fn pick<F: Family>(cfg: &DpConfig, daddr: F::A, dport: u16, proto: u8) -> Result<LbBackend<F::A>, Event> {
     let source = F::snat_ip(cfg);
-    let (key, svc) = flow::resolve::<F>(cfg, daddr, dport, proto, source, true)?;
+    let frontend = if F::is_loopback(&daddr) {
+        if cfg.flags & config_flags::LOCALHOST_NODEPORTS == 0 {
+            return Err(Event::Pass);
+        }
+        source
+    } else {
+        daddr
+    };
+    let (key, svc) = flow::resolve::<F>(cfg, frontend, dport, proto, source, true)?;
     let (_, be) = lb::select::<F>(cfg, &key, &svc, source, None, ct::now()).ok_or(Event::DropNoBackend)?;
     stats::count_service(svc.service_id, 0);
     Ok(be)
@@ -88,12 +103,12 @@ fn pick<F: Family>(cfg: &DpConfig, daddr: F::A, dport: u16, proto: u8) -> Result
 
 #[inline(always)]
 fn try_translate4(ctx: &SockAddrContext) -> Event {
-    let Some(cfg) = applies(ctx) else {
-        return Event::Pass;
-    };
     let sa: *mut bpf_sock_addr = ctx.sock_addr;
     // SAFETY: the context is valid for the program's run.
     let (daddr, dport, proto) = unsafe { ((*sa).user_ip4, (*sa).user_port as u16, (*sa).protocol as u8) };
+    let Some(cfg) = applies::<V4>(ctx, &daddr) else {
+        return Event::Pass;
+    };
     let be = match pick::<V4>(cfg, daddr, dport, proto) {
         Ok(be) => be,
         Err(event) => return event,
@@ -120,9 +135,6 @@ fn try_translate4(ctx: &SockAddrContext) -> Event {
 
 #[inline(always)]
 fn try_translate6(ctx: &SockAddrContext) -> Event {
-    let Some(cfg) = applies(ctx) else {
-        return Event::Pass;
-    };
     let sa: *mut bpf_sock_addr = ctx.sock_addr;
     // SAFETY: the context is valid for the program's run; the verifier
     // wants `user_ip6` read and written a word at a time.
@@ -137,6 +149,9 @@ fn try_translate6(ctx: &SockAddrContext) -> Event {
             (*sa).user_port as u16,
             (*sa).protocol as u8,
         )
+    };
+    let Some(cfg) = applies::<V6>(ctx, &daddr) else {
+        return Event::Pass;
     };
     let be = match pick::<V6>(cfg, daddr, dport, proto) {
         Ok(be) => be,

@@ -166,7 +166,12 @@ impl Sandbox {
         let agents = (0..2)
             .map(|i| {
                 let cgroup = cluster.nodes[i].cgroup.path();
-                cluster.start_agent(BIN, i, &dir, &["--cgroup-path", cgroup.to_str().unwrap()])
+                cluster.start_agent(
+                    BIN,
+                    i,
+                    &dir,
+                    &["--cgroup-path", cgroup.to_str().unwrap(), "--localhost-nodeports"],
+                )
             })
             .collect();
         Self {
@@ -286,6 +291,25 @@ fn dual_stack_services_serve_both_families_end_to_end() {
         "getpeername shows the ClusterIP"
     );
     assert!(reply.starts_with("a ") || reply.starts_with("b "), "{reply}");
+    // Localhost NodePorts (--localhost-nodeports) of both families: the
+    // socket shows the loopback address; the backend sees the node's
+    // address on the route to it (as MASQUERADE picks it), never loopback.
+    let node1_addresses = [
+        node1,
+        node1_6,
+        c.nodes[0].pod_gateway().into(),
+        c.nodes[0].pod_gateway6().into(),
+    ];
+    for lo in [IpAddr::from(Ipv4Addr::LOCALHOST), Ipv6Addr::LOCALHOST.into()] {
+        let dst = SocketAddr::from((lo, WEB_NODE_PORT));
+        let (peer, reply) = s.host_request(dst);
+        assert_eq!(peer, dst.to_string(), "getpeername shows the localhost NodePort");
+        let seen: SocketAddr = reply.split(' ').nth(1).unwrap().parse().unwrap();
+        assert!(
+            node1_addresses.contains(&seen.ip()) && seen.is_ipv4() == lo.is_ipv4(),
+            "{dst}: the backend sees an address of node1: {reply}"
+        );
+    }
 
     // No endpoints: the connection is refused at once (ICMPv6
     // port-unreachable), from outside and from a pod.

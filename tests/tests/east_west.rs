@@ -443,3 +443,72 @@ fn socket_lb_host_only_serves_a_namespace_without_a_route_to_pods() {
         pod_process_in_node_cgroup(&s, "client", 0, dst).expect("per-packet translation at the node");
     assert_eq!(peer, dst.to_string());
 }
+
+/// `--localhost-nodeports`: the node's own processes reach a NodePort on
+/// 127.0.0.1 (TCP and UDP), translated at connect time to the cluster-wide
+/// set even for eTP=Local (kube-proxy's iptables mode sends the node's own
+/// traffic there and masquerades it): the backend sees the node's address
+/// on the route to it, the socket shows 127.0.0.1:NODEPORT. Without the flag nothing listens
+/// there; a pod's 127.0.0.1 is its own, never translated; a port that is no
+/// NodePort is left to the node's own listeners.
+#[test]
+fn localhost_node_ports_serve_the_nodes_own_processes_only() {
+    let mut s = Sandbox::new();
+    // eTP=Local with its one endpoint on node1: from node2's loopback the
+    // cluster set is used.
+    let tcp = s.svc(1, &["a"]).node_port(30080).external_local();
+    let udp = TestService::new(2, "dns", Protocol::Udp, 53)
+        .cluster_ip(CIP)
+        .node_port(30053)
+        .endpoint(s.ep("a", UDP_PORT));
+    s.program(&[&tcp, &udp]);
+    let local_tcp = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 30080);
+    let local_udp = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 30053);
+    assert_eq!(
+        host_client(&s, 1, "tcp", local_tcp).expect_err("off by default"),
+        "ConnectionRefused"
+    );
+
+    for n in &mut s.nodes {
+        n.config.localhost_nodeports = true;
+        n.reconfigure();
+    }
+    let node2 = s.nodes[1].node_ip;
+    for (mode, dst) in [
+        ("tcp", local_tcp),
+        ("udp-connected", local_udp),
+        ("udp-unconnected", local_udp),
+    ] {
+        let (peer, reply) =
+            host_client(&s, 1, mode, dst).unwrap_or_else(|e| panic!("{mode}: {e}; {}", s.report()));
+        assert_eq!(
+            peer,
+            dst.to_string(),
+            "{mode}: the socket shows the localhost NodePort"
+        );
+        let mut words = reply.split(' ');
+        assert_eq!(words.next(), Some("a"), "{mode}: {reply}");
+        let seen: SocketAddrV4 = words.next().unwrap().parse().unwrap();
+        assert_eq!(
+            *seen.ip(),
+            node2,
+            "{mode}: the backend sees the node's address: {reply}"
+        );
+    }
+
+    // A port that is no NodePort: the node's own listener on 127.0.0.1.
+    let _own = EchoServer::tcp(
+        s.cluster.nodes[1].ns(),
+        "node2-own",
+        SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9999),
+    );
+    let (_, reply) =
+        host_client(&s, 1, "tcp", SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9999)).expect("own listener");
+    assert!(reply.starts_with("node2-own "), "{reply}");
+
+    // A pod in the node's cgroup: its loopback is its own.
+    assert_eq!(
+        pod_process_in_node_cgroup(&s, "client", 0, local_tcp).expect_err("the pod's own 127.0.0.1"),
+        "ConnectionRefused"
+    );
+}

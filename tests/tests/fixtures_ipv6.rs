@@ -119,6 +119,12 @@ fn fixtures() -> Vec<Fixture> {
         Event::Pass,
     );
     f(
+        "TCP from the wire to a localhost NodePort ([::1]): never translated",
+        syn(c(40000), sa(Ipv6Addr::LOCALHOST, 30080)).build(),
+        Expect::Untouched,
+        Event::Pass,
+    );
+    f(
         "ICMPv6 echo request to the node: not ours",
         icmp6_echo_request(CLIENT, NODE),
         Expect::Untouched,

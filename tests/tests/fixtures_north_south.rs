@@ -102,6 +102,12 @@ fn fixtures() -> Vec<Fixture> {
         Event::Pass,
     );
     f(
+        "TCP from the wire to a localhost NodePort: never translated (only the node's sockets use those)",
+        syn(c(40000), sa(Ipv4Addr::LOCALHOST, 30080)).build(),
+        Expect::Untouched,
+        Event::Pass,
+    );
+    f(
         "LB IP, eTP=Local: DNAT to the local backend, client kept",
         syn(c(40001), sa(LB_LOCAL, 80)).build(),
         Expect::Bytes(syn(c(40001), sa(LOCAL_POD, 8080)).build()),

@@ -147,6 +147,9 @@ pub struct ConfigFile {
     #[serde(default, deserialize_with = "list::joined")]
     pub node_port_addresses: Option<String>,
     pub masquerade_all: Option<bool>,
+    /// kube-proxy's spelling (`iptables.localhostNodePorts`).
+    #[serde(rename = "localhostNodePorts")]
+    pub localhost_nodeports: Option<bool>,
     pub health_bind_address: Option<String>,
     pub metrics_bind_address: Option<String>,
     pub sync_period_seconds: Option<u64>,
@@ -189,6 +192,9 @@ pub struct RunConfig {
     pub service_cidrs: Vec<IpCidr>,
     pub node_port_addresses: NodePortAddresses,
     pub masquerade_all: bool,
+    /// NodePorts on 127.0.0.1 and ::1 for the node's own sockets
+    /// (connect-time translation), as kube-proxy's iptables mode serves them.
+    pub localhost_nodeports: bool,
     pub health_bind_address: String,
     pub metrics_bind_address: String,
     pub sync_period: Duration,

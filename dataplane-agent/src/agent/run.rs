@@ -48,6 +48,7 @@ pub fn datapath_config(cfg: &RunConfig) -> DatapathConfig {
     c.set_cidrs(&cfg.cluster_cidrs, &cfg.service_cidrs);
     c.masquerade_all = cfg.masquerade_all;
     c.socket_lb_host_only = cfg.socket_lb_host_only;
+    c.localhost_nodeports = cfg.localhost_nodeports;
     c.host_routing = cfg.host_routing;
     c.maglev_size = cfg.maglev_size;
     c.maglev_seed = cfg.maglev_seed;

@@ -60,6 +60,12 @@ pub struct RunArgs {
     /// SNAT every flow to a ClusterIP (kube-proxy's masqueradeAll).
     #[arg(long)]
     pub masquerade_all: bool,
+    /// NodePorts also on 127.0.0.1 and [::1] for the node's own processes
+    /// (kube-proxy's iptables localhostNodePorts; off, as in its nftables
+    /// mode). Needs connect-time translation (a cgroup path); the
+    /// connection comes from the node's address, never from loopback.
+    #[arg(long)]
+    pub localhost_nodeports: bool,
     /// /healthz and /livez; healthCheckNodePort servers bind the same IP.
     /// Default: 0.0.0.0:10256 (kube-proxy's).
     #[arg(long)]
@@ -222,6 +228,16 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
         .unwrap_or_else(|| "text".into());
     let cgroup_setting = args.cgroup_path.or(file.cgroup_path);
     let (cgroup_path, cgroup_origin) = agent::config::resolve_cgroup_path(cgroup_setting.as_deref());
+    let localhost_nodeports = args.localhost_nodeports || file.localhost_nodeports.unwrap_or(false);
+    if localhost_nodeports && cgroup_path.is_none() {
+        let why = match &cgroup_origin {
+            agent::config::CgroupOrigin::NotFound(why) => why.as_str(),
+            _ => "--cgroup-path none",
+        };
+        bail!(
+            "--localhost-nodeports needs connect-time translation, which is off ({why}): give --cgroup-path"
+        );
+    }
     Ok((
         RunConfig {
             node_name,
@@ -237,6 +253,7 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
             service_cidrs,
             node_port_addresses,
             masquerade_all: args.masquerade_all || file.masquerade_all.unwrap_or(false),
+            localhost_nodeports,
             health_bind_address: args
                 .health_bind_address
                 .or(file.health_bind_address)
@@ -318,4 +335,48 @@ pub fn run(args: RunArgs) -> anyhow::Result<()> {
         other => bail!("--log-format {other:?}: expected text or json"),
     }
     agent::run::run(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        run: RunArgs,
+    }
+
+    fn resolved(extra: &[&str]) -> anyhow::Result<RunConfig> {
+        let base = [
+            "run",
+            "--node-name",
+            "n1",
+            "--node-ip",
+            "198.18.0.11",
+            "--source",
+            "manifests:/nonexistent",
+        ];
+        let cli = Cli::try_parse_from(base.iter().chain(extra)).expect("flags parse");
+        resolve(cli.run).map(|(cfg, _)| cfg)
+    }
+
+    #[test]
+    fn localhost_nodeports_are_off_by_default_and_need_connect_time_translation() {
+        let cfg = resolved(&["--cgroup-path", "/sys/fs/cgroup/x"]).unwrap();
+        assert!(!cfg.localhost_nodeports);
+        assert!(!agent::run::datapath_config(&cfg).localhost_nodeports);
+        let cfg = resolved(&["--cgroup-path", "/sys/fs/cgroup/x", "--localhost-nodeports"]).unwrap();
+        assert!(agent::run::datapath_config(&cfg).localhost_nodeports);
+        let file: ConfigFile = serde_saphyr::from_str("localhostNodePorts: true\n").unwrap();
+        assert_eq!(file.localhost_nodeports, Some(true));
+        let err = resolved(&["--cgroup-path", "none", "--localhost-nodeports"]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("--localhost-nodeports needs connect-time translation"),
+            "{err}"
+        );
+    }
 }

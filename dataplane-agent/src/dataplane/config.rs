@@ -31,6 +31,9 @@ pub struct DatapathConfig {
     /// Connect-time translation only for sockets in this network namespace
     /// (the node's); pods keep per-packet translation.
     pub socket_lb_host_only: bool,
+    /// The node's own sockets reach NodePorts on 127.0.0.1 and ::1
+    /// ([`config_flags::LOCALHOST_NODEPORTS`]).
+    pub localhost_nodeports: bool,
     /// Packets translated by the TC ingress paths go straight to the device
     /// of their route ([`config_flags::HOST_ROUTING`]).
     pub host_routing: bool,
@@ -132,6 +135,7 @@ impl DatapathConfig {
             snat_ports: DpConfig::DEFAULT_SNAT_PORTS,
             timeouts: CtTimeouts::default(),
             socket_lb_host_only: false,
+            localhost_nodeports: false,
             host_routing: false,
             host_netns_cookie: current_netns_cookie(),
             maglev_seed: 0,
@@ -178,6 +182,9 @@ impl DatapathConfig {
         }
         if self.host_routing {
             flags |= config_flags::HOST_ROUTING;
+        }
+        if self.localhost_nodeports {
+            flags |= config_flags::LOCALHOST_NODEPORTS;
         }
         let snat_hash_seed = if previous.flags & config_flags::CONFIGURED != 0 {
             previous.snat_hash_seed
