@@ -17,6 +17,7 @@ pub mod filter;
 pub mod hint;
 pub mod lb;
 pub mod maglev;
+pub mod monitor;
 pub mod sctp;
 pub mod stats;
 
@@ -80,8 +81,22 @@ pub mod names {
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
     pub const LB6_DSR: &str = "LB6_DSR_V1";
 
+    /// Live drop and reject events (a ring buffer of
+    /// [`crate::monitor::MonitorEvent`]), whether anyone reads them
+    /// ([`crate::monitor::MonitorCtl`]) and the per-CPU rate limit
+    /// ([`crate::monitor::MonitorRate`]).
+    pub const MONITOR_EVENTS: &str = "DP_MONITOR_EVENTS_V1";
+    pub const MONITOR_CTL: &str = "DP_MONITOR_CTL_V1";
+    pub const MONITOR_RATE: &str = "DP_MONITOR_RATE_V1";
+
+    /// The fewest entries `map` can be created with: one, or a page for the
+    /// ring buffer (its size is a power-of-two number of pages).
+    pub fn min_entries(map: &str) -> u32 {
+        if map == MONITOR_EVENTS { 4096 } else { 1 }
+    }
+
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 26] = [
+    pub const ALL_MAPS: [&str; 29] = [
         CONFIG,
         ADDR_FILTER,
         HINT_DEVICES,
@@ -108,6 +123,9 @@ pub mod names {
         XDP_DEVICES,
         CT4_ASSURED,
         CT6_ASSURED,
+        MONITOR_EVENTS,
+        MONITOR_CTL,
+        MONITOR_RATE,
     ];
 
     /// XDP on the node's external devices: north-south translation.

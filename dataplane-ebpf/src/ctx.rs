@@ -86,6 +86,9 @@ pub trait Ctx {
 
     /// The device the packet came in on.
     fn ingress_ifindex(&self) -> u32;
+    /// Copies `len` bytes of the packet from its start to `to` (through the
+    /// helper: also beyond the linear part). Whether it could.
+    fn load_bytes(&self, to: *mut u8, len: u32) -> bool;
     /// The payload bytes per segment of an aggregated (GSO) packet; 0 for
     /// a plain one (always, in XDP).
     fn gso_size(&self) -> u32;
@@ -285,6 +288,12 @@ impl Ctx for XdpContext {
     }
 
     #[inline(always)]
+    fn load_bytes(&self, to: *mut u8, len: u32) -> bool {
+        // SAFETY: helper on our own context, into `len` writable bytes.
+        unsafe { aya_ebpf::helpers::bpf_xdp_load_bytes(self.ctx, 0, to.cast(), len) == 0 }
+    }
+
+    #[inline(always)]
     fn gso_size(&self) -> u32 {
         0
     }
@@ -471,6 +480,12 @@ impl Ctx for TcContext {
         // SAFETY: reads the context's field (at ingress, the device the
         // packet came in on).
         unsafe { (*self.skb.skb).ifindex }
+    }
+
+    #[inline(always)]
+    fn load_bytes(&self, to: *mut u8, len: u32) -> bool {
+        // SAFETY: helper on our own context, into `len` writable bytes.
+        unsafe { aya_ebpf::helpers::bpf_skb_load_bytes(self.skb.skb.cast(), 0, to.cast(), len) == 0 }
     }
 
     #[inline(always)]

@@ -19,6 +19,7 @@ mod flow;
 mod icmp;
 mod lb;
 mod maps;
+mod monitor;
 mod parse;
 mod path;
 mod route;

@@ -3,7 +3,7 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray},
+    maps::{Array, DevMapHash, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
 };
 use dataplane_common::{
     config::DpConfig,
@@ -21,6 +21,18 @@ use dataplane_common::{
     limits,
     stats::{COUNTER_SLOTS, Counter, FLOW_STAT_SLOTS},
 };
+
+/// Live drop and reject events (`monitor`), whether anyone reads them,
+/// and each CPU's rate limit (`dataplane_common::monitor`).
+#[map(name = "DP_MONITOR_EVENTS_V1")]
+pub static MONITOR_EVENTS: RingBuf = RingBuf::with_byte_size(dataplane_common::monitor::RING_BYTES, 0);
+
+#[map(name = "DP_MONITOR_CTL_V1")]
+pub static MONITOR_CTL: Array<dataplane_common::monitor::MonitorCtl> = Array::with_max_entries(1, 0);
+
+#[map(name = "DP_MONITOR_RATE_V1")]
+pub static MONITOR_RATE: PerCpuArray<dataplane_common::monitor::MonitorRate> =
+    PerCpuArray::with_max_entries(1, 0);
 
 #[map(name = "DP_CONFIG_V4")]
 pub static CONFIG: Array<DpConfig> = Array::with_max_entries(1, 0);

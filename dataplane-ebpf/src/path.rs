@@ -145,6 +145,11 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
     } else {
         step
     };
+    // Drops and rejects decided by the lookup, before anything rewrites
+    // the packet: to `monitor` readers (one map read when there are none).
+    if matches!(step.what(), 0 | REJECT) && dataplane_common::monitor::reported(step.event()) {
+        crate::monitor::report(ctx, hook, step.event());
+    }
     // A reject and an ICMP error's translation read well beyond the
     // headers parsed so far (the packet to quote, the quote).
     if matches!(step.what(), REJECT | ICMP_ERROR) {

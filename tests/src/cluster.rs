@@ -489,7 +489,7 @@ pub fn pass_through_xdp(ports: &[&str]) -> aya::Ebpf {
     use dataplane_common::names;
     let mut loader = aya::EbpfLoader::new();
     for map in names::ALL_MAPS {
-        loader.map_max_entries(map, 1);
+        loader.map_max_entries(map, names::min_entries(map));
     }
     let mut ebpf = loader
         .load(dataplane_agent::dataplane::EBPF_OBJECT)

@@ -4,6 +4,7 @@ pub mod check;
 pub mod cleanup;
 pub mod inspect;
 mod inspect_interfaces;
+pub mod monitor;
 pub mod run;
 pub mod trace;
 
@@ -54,6 +55,18 @@ enum Command {
     ///   dataplane-agent inspect --bpffs-dir /sys/fs/bpf/node1 stats
     #[command(verbatim_doc_comment)]
     Inspect(inspect::InspectArgs),
+    /// Follow the packets the running datapath drops or rejects, live: one
+    /// line (or JSON object) per packet, with the hook, the device, the
+    /// reason, the addresses and the Service. Read from the pinned ring
+    /// buffer; the kernel writes events only while someone follows them, at
+    /// most --rate a second per CPU (what it leaves out is counted).
+    ///
+    /// Examples:
+    ///   dataplane-agent monitor
+    ///   dataplane-agent monitor --type drop --service default/web -o json
+    ///   dataplane-agent monitor --bpffs-dir /sys/fs/bpf/node1 --address 203.0.113.7
+    #[command(verbatim_doc_comment)]
+    Monitor(monitor::MonitorArgs),
     /// Run one packet through the real programs and say what happens to it.
     ///
     /// A private copy of the datapath (nothing attached, no live map touched)
@@ -94,6 +107,7 @@ pub fn main() -> anyhow::Result<()> {
         Command::Check(args) => check::run(&args),
         Command::Cleanup(args) => cleanup::run(&args),
         Command::Inspect(args) => inspect::run(&args),
+        Command::Monitor(args) => monitor::run(&args),
         Command::Trace(args) => trace::run(*args),
     }
 }

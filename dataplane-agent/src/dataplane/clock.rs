@@ -105,7 +105,7 @@ impl Probe {
     fn load(object: &[u8]) -> Option<Self> {
         let mut loader = EbpfLoader::new();
         for map in names::ALL_MAPS {
-            loader.map_max_entries(map, 1);
+            loader.map_max_entries(map, names::min_entries(map));
         }
         let mut ebpf = loader.load(object).ok()?;
         let prog: &mut Xdp = ebpf.program_mut(names::XDP_CLOCK)?.try_into().ok()?;

@@ -141,6 +141,10 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         names::LB6_DSR => s(size_of::<dataplane_common::lb::Dsr6Key>(), size_of::<DsrValue>()),
         // ifindex → `struct bpf_devmap_val` (ifindex, program fd/id).
         names::XDP_DEVICES => s(4, 8),
+        // A ring buffer has neither keys nor values.
+        names::MONITOR_EVENTS => s(0, 0),
+        names::MONITOR_CTL => s(4, size_of::<dataplane_common::monitor::MonitorCtl>()),
+        names::MONITOR_RATE => s(4, size_of::<dataplane_common::monitor::MonitorRate>()),
         _ => None,
     }
 }

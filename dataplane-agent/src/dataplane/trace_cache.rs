@@ -457,6 +457,8 @@ fn reset_map(map: &MapData) -> std::io::Result<()> {
             batch::for_each_raw(fd, key_size, value_size, |k, _| keys.extend_from_slice(k))?;
             batch::delete_raw(fd, key_size, &keys).map_err(|(_, e)| e)?;
         }
+        // Nothing a trace reads: a packet that is traced has no reader.
+        MapType::RingBuf => {}
         // LPM tries and device maps have no batched operations.
         _ => {
             let keys = batch::keys_raw(fd, key_size)?;

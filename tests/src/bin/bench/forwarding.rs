@@ -189,7 +189,7 @@ impl Sandbox {
 fn bench_object() -> Ebpf {
     let mut loader = EbpfLoader::new();
     for map in names::ALL_MAPS {
-        loader.map_max_entries(map, 1);
+        loader.map_max_entries(map, names::min_entries(map));
     }
     let mut ebpf = loader
         .load(dataplane_agent::dataplane::EBPF_OBJECT)

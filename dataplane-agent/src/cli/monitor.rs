@@ -1,0 +1,528 @@
+//! `dataplane-agent monitor`: the packets a running node's datapath drops
+//! or rejects, live, from its pinned ring buffer (see
+//! `dataplane_common::monitor`). The kernel writes events only while a
+//! reader renews its lease in `DP_MONITOR_CTL_V1`, at most `--rate` a
+//! second per CPU; the events it had to leave out are counted and shown.
+//! Nothing else is written: like `inspect`, it works beside the agent and
+//! across its restarts (the ring buffer is pinned and adopted).
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    os::fd::{AsFd as _, AsRawFd as _},
+    path::PathBuf,
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use aya::maps::{Array, Map, MapData, PerCpuArray, RingBuf};
+use dataplane_common::{
+    monitor::{DEFAULT_RATE, LEASE_NS, MonitorCtl, MonitorEvent, MonitorRate},
+    names,
+    stats::{Event, Hook},
+};
+use serde_json::{Value, json};
+
+use crate::{
+    dataplane::{LbMaps, PinDir, clock::monotonic_ns},
+    net::{Protocol, host_port},
+};
+
+#[derive(clap::Args)]
+pub struct MonitorArgs {
+    /// The agent's pin directory.
+    #[arg(long, default_value = "/sys/fs/bpf/dataplane")]
+    pub bpffs_dir: PathBuf,
+    /// `text` (one line per event) or `json` (one object per line, schema
+    /// in docs/inspect.md).
+    #[arg(short = 'o', long, default_value = "text")]
+    pub output: String,
+    /// Only drops, or only rejects (ICMP unreachable answered).
+    #[arg(long = "type")]
+    pub kind: Option<Kind>,
+    /// Only packets to this Service's frontends (NAMESPACE/NAME).
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Only packets with this address (either side).
+    #[arg(long)]
+    pub address: Option<IpAddr>,
+    /// Only packets with this port (either side).
+    #[arg(long)]
+    pub port: Option<u16>,
+    /// tcp, udp or sctp.
+    #[arg(long)]
+    pub proto: Option<String>,
+    /// Events per second per CPU the kernel writes at most; the rest are
+    /// counted as lost (shown).
+    #[arg(long, default_value_t = DEFAULT_RATE)]
+    pub rate: u32,
+    /// Stop after this many events shown.
+    #[arg(long)]
+    pub count: Option<u64>,
+    /// Stop after this many seconds.
+    #[arg(long)]
+    pub seconds: Option<u64>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kind {
+    Drop,
+    Reject,
+}
+
+impl Kind {
+    fn of(event: Event) -> Self {
+        if event.is_drop() { Kind::Drop } else { Kind::Reject }
+    }
+    fn as_str(self) -> &'static str {
+        match self {
+            Kind::Drop => "drop",
+            Kind::Reject => "reject",
+        }
+    }
+}
+
+/// What a captured packet says: addresses, L4 protocol, ports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Headers {
+    pub src: IpAddr,
+    pub dst: IpAddr,
+    pub proto: u8,
+    /// 0 for protocols without ports.
+    pub sport: u16,
+    pub dport: u16,
+}
+
+/// Decodes the start of an Ethernet frame (up to two VLAN tags, IPv4 or
+/// IPv6 with extension headers): `None` when it is not an IP packet or is
+/// cut before its addresses.
+pub fn decode(frame: &[u8]) -> Option<Headers> {
+    let be16 = |b: &[u8], at: usize| -> Option<u16> {
+        Some(u16::from_be_bytes(b.get(at..at + 2)?.try_into().ok()?))
+    };
+    let mut at = 12;
+    let mut ethertype = be16(frame, at)?;
+    for _ in 0..2 {
+        if ethertype == 0x8100 || ethertype == 0x88a8 {
+            at += 4;
+            ethertype = be16(frame, at)?;
+        }
+    }
+    let l3 = at + 2;
+    let ip = frame.get(l3..)?;
+    let (src, dst, mut proto, mut l4) = match ethertype {
+        0x0800 => {
+            let ihl = (*ip.first()? as usize & 0xf) * 4;
+            let a: [u8; 4] = ip.get(12..16)?.try_into().ok()?;
+            let b: [u8; 4] = ip.get(16..20)?.try_into().ok()?;
+            // A fragment after the first carries no ports.
+            let frag_off = be16(ip, 6)? & 0x1fff;
+            let l4 = if frag_off == 0 { ihl } else { usize::MAX };
+            (
+                IpAddr::from(Ipv4Addr::from(a)),
+                IpAddr::from(Ipv4Addr::from(b)),
+                ip[9],
+                l4,
+            )
+        }
+        0x86dd => {
+            let a: [u8; 16] = ip.get(8..24)?.try_into().ok()?;
+            let b: [u8; 16] = ip.get(24..40)?.try_into().ok()?;
+            (
+                IpAddr::from(Ipv6Addr::from(a)),
+                IpAddr::from(Ipv6Addr::from(b)),
+                *ip.get(6)?,
+                40,
+            )
+        }
+        _ => return None,
+    };
+    // IPv6 extension headers: hop-by-hop, routing, destination options,
+    // fragment (a later fragment has no ports).
+    while ethertype == 0x86dd && matches!(proto, 0 | 43 | 60 | 44) && l4 != usize::MAX {
+        let next = *ip.get(l4)?;
+        if proto == 44 {
+            let later = be16(ip, l4 + 2).is_none_or(|o| o & 0xfff8 != 0);
+            proto = next;
+            l4 = if later { usize::MAX } else { l4 + 8 };
+        } else {
+            let len = (*ip.get(l4 + 1)? as usize + 1) * 8;
+            proto = next;
+            l4 += len;
+        }
+    }
+    let (sport, dport) = match proto {
+        6 | 17 | 132 if l4 != usize::MAX => (be16(ip, l4).unwrap_or(0), be16(ip, l4 + 2).unwrap_or(0)),
+        _ => (0, 0),
+    };
+    Some(Headers {
+        src,
+        dst,
+        proto,
+        sport,
+        dport,
+    })
+}
+
+/// Service names of the frontends in the pinned maps, read again (at most
+/// once a second) when a destination is not found.
+struct Services {
+    dir: PathBuf,
+    frontends: HashMap<(IpAddr, u16, u8), u32>,
+    names: HashMap<u32, crate::state::table::ServicePortName>,
+    loaded: Option<Instant>,
+}
+
+impl Services {
+    fn load(&mut self) {
+        if self.loaded.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+            return;
+        }
+        self.loaded = Some(Instant::now());
+        let Ok((maps, _)) = LbMaps::open_pins(&self.dir) else {
+            return;
+        };
+        let Ok(table) = maps.read_table() else { return };
+        self.frontends = table
+            .frontends
+            .iter()
+            .map(|(fe, e)| ((fe.addr, fe.port, fe.proto.number()), e.service_id))
+            .collect();
+        self.names = table.service_names.into_iter().collect();
+    }
+
+    /// The Service (id, name) whose frontend `h` is addressed to.
+    fn of(&mut self, h: &Headers) -> Option<(u32, &crate::state::table::ServicePortName)> {
+        let key = (h.dst, h.dport, h.proto);
+        if !self.frontends.contains_key(&key) {
+            self.load();
+        }
+        let id = *self.frontends.get(&key)?;
+        Some((id, self.names.get(&id)?))
+    }
+}
+
+fn device_name(ifindex: u32) -> String {
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: `buf` holds IF_NAMESIZE bytes, as the call requires.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return format!("if{ifindex}");
+    }
+    // SAFETY: on success the buffer holds a NUL-terminated name.
+    unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// The ring buffer pinned under `pins`, and its map id (a new id: the agent
+/// created the map again, so read the new one).
+fn open_ring(pins: &PinDir) -> anyhow::Result<(RingBuf<MapData>, u32)> {
+    let path = pins.map(names::MONITOR_EVENTS);
+    let data = MapData::from_pin(&path).with_context(|| {
+        format!(
+            "opening {} (an agent of a version without `monitor`?)",
+            path.display()
+        )
+    })?;
+    let id = data.info()?.id();
+    Ok((RingBuf::try_from(Map::RingBuf(data))?, id))
+}
+
+fn pinned_id(pins: &PinDir, name: &str) -> Option<u32> {
+    MapData::from_pin(pins.map(name))
+        .ok()?
+        .info()
+        .ok()
+        .map(|i| i.id())
+}
+
+/// Events the kernel left out since the maps were created (every CPU).
+fn lost(rate: &PerCpuArray<MapData, MonitorRate>) -> u64 {
+    rate.get(&0, 0).map_or(0, |v| v.iter().map(|r| r.lost).sum())
+}
+
+pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
+    if !matches!(args.output.as_str(), "text" | "json") {
+        anyhow::bail!("-o {}: expected text or json", args.output);
+    }
+    let proto = match args.proto.as_deref() {
+        None => None,
+        Some(p) => Some(match p.to_ascii_lowercase().as_str() {
+            "tcp" => Protocol::Tcp.number(),
+            "udp" => Protocol::Udp.number(),
+            "sctp" => Protocol::Sctp.number(),
+            other => anyhow::bail!("--proto {other}: expected tcp, udp or sctp"),
+        }),
+    };
+    let service = match &args.service {
+        None => None,
+        Some(s) => Some(
+            s.split_once('/')
+                .filter(|(ns, n)| !ns.is_empty() && !n.is_empty())
+                .with_context(|| format!("--service {s}: expected NAMESPACE/NAME"))?,
+        ),
+    };
+    if args.rate == 0 {
+        anyhow::bail!("--rate 0: nothing would be shown");
+    }
+    let pins = PinDir::open(&args.bpffs_dir)
+        .with_context(|| format!("opening the pin directory {}", args.bpffs_dir.display()))?;
+    let open_ctl = || -> anyhow::Result<Array<MapData, MonitorCtl>> {
+        Ok(Array::try_from(Map::Array(MapData::from_pin(
+            pins.map(names::MONITOR_CTL),
+        )?))?)
+    };
+    let open_rate = || -> anyhow::Result<PerCpuArray<MapData, MonitorRate>> {
+        Ok(PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(
+            pins.map(names::MONITOR_RATE),
+        )?))?)
+    };
+    let (mut ring, mut ring_id) = open_ring(&pins)?;
+    let mut ctl = open_ctl()?;
+    let mut rate = open_rate()?;
+    let mut services = Services {
+        dir: args.bpffs_dir.clone(),
+        frontends: HashMap::new(),
+        names: HashMap::new(),
+        loaded: None,
+    };
+    services.load();
+    // Wall-clock time of the kernel's CLOCK_MONOTONIC stamps.
+    let wall_offset = jiff::Timestamp::now().as_nanosecond() - monotonic_ns() as i128;
+    let json = args.output == "json";
+    let started = Instant::now();
+    let started_ns = monotonic_ns();
+    let mut lost_seen = lost(&rate);
+    let mut lost_shown = 0u64;
+    let mut shown = 0u64;
+    let mut renewed: Option<Instant> = None;
+    // Said once the kernel writes events: from then on nothing is missed.
+    let mut announced = false;
+    let mut stdout = std::io::stdout().lock();
+    use std::io::Write as _;
+    loop {
+        if renewed.is_none_or(|t| t.elapsed() >= Duration::from_nanos(LEASE_NS / 2)) {
+            renewed = Some(Instant::now());
+            // A restarted agent that created its maps again: follow it.
+            if pinned_id(&pins, names::MONITOR_EVENTS).is_some_and(|id| id != ring_id) {
+                (ring, ring_id) = open_ring(&pins)?;
+                ctl = open_ctl()?;
+                rate = open_rate()?;
+                lost_seen = lost(&rate);
+            }
+            let lease = MonitorCtl {
+                until_ns: monotonic_ns() + LEASE_NS,
+                rate: args.rate,
+                _pad: 0,
+            };
+            ctl.set(0, lease, 0).context("renewing the monitor lease")?;
+            if !announced {
+                announced = true;
+                eprintln!(
+                    "following the drops and rejects of {} (at most {}/s per CPU)",
+                    args.bpffs_dir.display(),
+                    args.rate
+                );
+            }
+            let now_lost = lost(&rate);
+            if now_lost > lost_seen {
+                let n = now_lost - lost_seen;
+                lost_shown += n;
+                if json {
+                    writeln!(stdout, "{}", json!({"type": "lost", "count": n}))?;
+                } else {
+                    writeln!(
+                        stdout,
+                        "-- {n} events lost to the kernel's limit of {}/s per CPU",
+                        args.rate
+                    )?;
+                }
+                stdout.flush()?;
+            }
+            lost_seen = now_lost;
+        }
+        if args
+            .seconds
+            .is_some_and(|s| started.elapsed() >= Duration::from_secs(s))
+        {
+            break;
+        }
+        let mut fds = [libc::pollfd {
+            fd: ring.as_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(fds.as_mut_ptr(), 1, 200) };
+        while let Some(item) = ring.next() {
+            if item.len() < std::mem::size_of::<MonitorEvent>() {
+                continue;
+            }
+            // SAFETY: a record of the kernel's MonitorEvent (size checked),
+            // read unaligned.
+            let ev: MonitorEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+            drop(item);
+            // Left in the ring before this reader came (for an earlier one).
+            if ev.ts_ns < started_ns {
+                continue;
+            }
+            let Some(line) = render(&ev, args, proto, service, &mut services, wall_offset, json) else {
+                continue;
+            };
+            writeln!(stdout, "{line}")?;
+            shown += 1;
+            if args.count.is_some_and(|c| shown >= c) {
+                break;
+            }
+        }
+        stdout.flush()?;
+        if args.count.is_some_and(|c| shown >= c) {
+            break;
+        }
+    }
+    eprintln!("{shown} events shown, {lost_shown} lost to the kernel's rate limit");
+    Ok(())
+}
+
+/// The event's line, or `None` when a filter leaves it out.
+fn render(
+    ev: &MonitorEvent,
+    args: &MonitorArgs,
+    proto: Option<u8>,
+    service: Option<(&str, &str)>,
+    services: &mut Services,
+    wall_offset: i128,
+    json: bool,
+) -> Option<String> {
+    let event = *Event::ALL.get(ev.event as usize)?;
+    let kind = Kind::of(event);
+    if args.kind.is_some_and(|k| k != kind) {
+        return None;
+    }
+    let hook = Hook::ALL.into_iter().find(|h| *h as u8 == ev.hook)?;
+    let captured = &ev.data[..(ev.captured as usize).min(ev.data.len())];
+    let h = decode(captured);
+    if let Some(a) = args.address
+        && h.is_none_or(|h| h.src != a && h.dst != a)
+    {
+        return None;
+    }
+    if let Some(p) = args.port
+        && h.is_none_or(|h| h.sport != p && h.dport != p)
+    {
+        return None;
+    }
+    if let Some(p) = proto
+        && h.is_none_or(|h| h.proto != p)
+    {
+        return None;
+    }
+    let svc = h
+        .as_ref()
+        .and_then(|h| services.of(h))
+        .map(|(id, n)| (id, n.clone()));
+    if let Some((ns, name)) = service
+        && svc
+            .as_ref()
+            .is_none_or(|(_, n)| &*n.namespace != ns || &*n.name != name)
+    {
+        return None;
+    }
+    let time = jiff::Timestamp::from_nanosecond(ev.ts_ns as i128 + wall_offset).ok()?;
+    let device = device_name(ev.ifindex);
+    let proto_name =
+        |p: u8| Protocol::from_number(p).map_or_else(|| p.to_string(), |p| p.as_str().to_owned());
+    let ends = h.map(|h| {
+        (
+            proto_name(h.proto),
+            host_port(h.src, h.sport),
+            host_port(h.dst, h.dport),
+        )
+    });
+    if json {
+        let v: Value = json!({
+            "time": time.to_string(),
+            "type": kind.as_str(),
+            "reason": event.name(),
+            "hook": hook.name(),
+            "device": device,
+            "ifindex": ev.ifindex,
+            "proto": ends.as_ref().map(|e| e.0.clone()),
+            "source": ends.as_ref().map(|e| e.1.clone()),
+            "destination": ends.as_ref().map(|e| e.2.clone()),
+            "service": svc.as_ref().map(|(_, n)| n.to_string()),
+            "serviceId": svc.as_ref().map(|(id, _)| id),
+            "length": ev.len,
+        });
+        return Some(v.to_string());
+    }
+    let (p, s, d) = ends.unwrap_or_else(|| ("?".into(), "?".into(), "?".into()));
+    Some(format!(
+        "{} {:<14} {:<10} {:<28} {:<4} {} -> {} {}",
+        time.strftime("%H:%M:%S%.3f"),
+        hook.name(),
+        device,
+        event.name(),
+        p,
+        s,
+        d,
+        svc.map_or_else(|| "-".to_owned(), |(_, n)| n.to_string())
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(ethertype: u16, ip: &[u8], tags: &[u16]) -> Vec<u8> {
+        let mut f = vec![0u8; 12];
+        for t in tags {
+            f.extend_from_slice(&t.to_be_bytes());
+            f.extend_from_slice(&[0, 100]);
+        }
+        f.extend_from_slice(&ethertype.to_be_bytes());
+        f.extend_from_slice(ip);
+        f
+    }
+
+    fn ipv4(proto: u8, frag: u16, l4: &[u8]) -> Vec<u8> {
+        let mut ip = vec![0x45, 0, 0, 0, 0, 0];
+        ip.extend_from_slice(&frag.to_be_bytes());
+        ip.extend_from_slice(&[64, proto, 0, 0, 198, 18, 0, 100, 198, 18, 0, 11]);
+        ip.extend_from_slice(l4);
+        ip
+    }
+
+    #[test]
+    fn decodes_ipv4_with_tags_ports_and_fragments() {
+        let ports = [0x9c, 0x40, 0x75, 0x62]; // 40000 -> 30050
+        let h = decode(&frame(0x0800, &ipv4(6, 0, &ports), &[0x8100, 0x8100])).unwrap();
+        assert_eq!(h.src, "198.18.0.100".parse::<IpAddr>().unwrap());
+        assert_eq!(h.dst, "198.18.0.11".parse::<IpAddr>().unwrap());
+        assert_eq!((h.proto, h.sport, h.dport), (6, 40000, 30050));
+        // A later fragment: addresses, no ports.
+        let h = decode(&frame(0x0800, &ipv4(17, 0x00b9, &ports), &[])).unwrap();
+        assert_eq!((h.proto, h.sport, h.dport), (17, 0, 0));
+        // Cut before its ports: addresses only.
+        let h = decode(&frame(0x0800, &ipv4(17, 0, &ports[..2]), &[])).unwrap();
+        assert_eq!((h.sport, h.dport), (0, 0));
+        // Cut before its addresses, or not IP: nothing.
+        assert_eq!(decode(&frame(0x0800, &ipv4(6, 0, &[])[..14], &[])), None);
+        assert_eq!(decode(&frame(0x0806, &[0; 28], &[])), None);
+        assert_eq!(decode(&[0; 5]), None);
+    }
+
+    #[test]
+    fn decodes_ipv6_through_extension_headers() {
+        let mut ip = vec![0x60, 0, 0, 0, 0, 16, 0 /* hop-by-hop */, 64];
+        ip.extend_from_slice(&"2001:db8::100".parse::<Ipv6Addr>().unwrap().octets());
+        ip.extend_from_slice(&"2001:db8::11".parse::<Ipv6Addr>().unwrap().octets());
+        ip.extend_from_slice(&[60 /* dst opts */, 0, 0, 0, 0, 0, 0, 0]);
+        ip.extend_from_slice(&[17, 0, 0, 0, 0, 0, 0, 0]);
+        ip.extend_from_slice(&[0, 53, 0x75, 0x62]);
+        let h = decode(&frame(0x86dd, &ip, &[])).unwrap();
+        assert_eq!(h.dst, "2001:db8::11".parse::<IpAddr>().unwrap());
+        assert_eq!((h.proto, h.sport, h.dport), (17, 53, 30050));
+    }
+}

@@ -1,0 +1,336 @@
+//! `dataplane-agent monitor` end to end: a running agent's datapath drops
+//! and rejects real packets from the sandbox's client, and `monitor`
+//! (another process, reading the pinned ring buffer in the node's network
+//! namespace) shows each with its reason, hook, device, addresses and
+//! Service; filters leave the others out; a flood of drops is cut to the
+//! kernel's rate, the rest counted as lost, and the agent keeps answering.
+
+use std::{
+    io::{BufRead, BufReader},
+    net::{Ipv4Addr, SocketAddrV4, UdpSocket},
+    process::{Child, Stdio},
+    sync::mpsc,
+    time::Duration,
+};
+
+use dataplane_tests::{
+    agent::{AgentProcess, HEALTH_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
+    cluster::Cluster,
+};
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_agent");
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 21);
+const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 30);
+const LOCAL_NONE: u16 = 30082;
+const EMPTY: u16 = 30081;
+
+/// UDP Services on node1 (agent there only), pod b on node2:
+/// - `local-none`: NodePort 30082, eTP=Local, its one endpoint on node2;
+/// - `empty`: NodePort 30081, no endpoints;
+/// - `ranged`: LoadBalancer 198.19.0.30 open to 203.0.113.0/24 only.
+struct Sandbox {
+    agent: AgentProcess,
+    _manifests: ManifestDir,
+    cluster: Cluster,
+}
+
+impl Sandbox {
+    fn new() -> Self {
+        let mut cluster = Cluster::new();
+        cluster.add_pod(1, "b");
+        let b = cluster.pod("b");
+        let eps = [Ep::ready(b.ip, &cluster.nodes[1].name)];
+        let udp = |y: String| y.replace("protocol: TCP", "protocol: UDP");
+        let local_none = udp(service_yaml(
+            "local-none",
+            &format!("  type: NodePort\n  clusterIP: {CLUSTER_IP}\n  externalTrafficPolicy: Local\n"),
+            53,
+            Some(LOCAL_NONE),
+            5353,
+            &eps,
+        ));
+        let empty = udp(service_yaml(
+            "empty",
+            "  type: NodePort\n  clusterIP: 10.96.0.22\n",
+            53,
+            Some(EMPTY),
+            5353,
+            &[],
+        ));
+        let ranged = udp(service_yaml(
+            "ranged",
+            "  type: LoadBalancer\n  clusterIP: 10.96.0.23\n  loadBalancerSourceRanges: [203.0.113.0/24]\n",
+            53,
+            None,
+            5353,
+            &eps,
+        ))
+        .replacen(
+            "\n---\n",
+            &format!("\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\n"),
+            1,
+        );
+        let manifests = ManifestDir::new(cluster.prefix());
+        manifests.write("services.yaml", &format!("{local_none}---\n{empty}---\n{ranged}"));
+        cluster.route_from_client("198.19.0.0/24", 0);
+        cluster.route_from_client("10.96.0.0/16", 0);
+        let agent = cluster.start_agent(BIN, 0, &manifests, &[]);
+        let s = Self {
+            agent,
+            _manifests: manifests,
+            cluster,
+        };
+        s.wait_programmed();
+        s
+    }
+
+    /// Until the agent programmed the three Services' external frontends.
+    fn wait_programmed(&self) {
+        let wanted = [
+            self.node_port(LOCAL_NONE).to_string(),
+            self.node_port(EMPTY).to_string(),
+            format!("{LB_IP}:53"),
+        ];
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let out = std::process::Command::new(BIN)
+                .args(["inspect", "--bpffs-dir", &self.pins(), "-o", "json", "services"])
+                .output()
+                .expect("run inspect");
+            let text = String::from_utf8_lossy(&out.stdout);
+            if out.status.success() && wanted.iter().all(|w| text.contains(&format!("\"{w}/UDP\""))) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "not programmed in 20 s: {text}\n{}",
+                self.agent.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn pins(&self) -> String {
+        self.cluster
+            .bpffs
+            .path()
+            .join(&self.cluster.nodes[0].name)
+            .display()
+            .to_string()
+    }
+
+    /// `monitor -o json` in node1's namespace with `args`, once the kernel
+    /// writes its events.
+    fn monitor(&self, args: &[&str]) -> Monitor {
+        let pins = self.pins();
+        let mut child = self.cluster.nodes[0]
+            .ns()
+            .command(BIN)
+            .args(["monitor", "--bpffs-dir", &pins, "-o", "json"])
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start monitor");
+        let (tx, rx) = mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut said = Vec::new();
+        loop {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(line) if line.starts_with("following the drops and rejects") => break,
+                Ok(line) => said.push(line),
+                Err(_) => {
+                    let _ = child.kill();
+                    panic!("monitor did not start: {said:?}\n{}", self.agent.log_text());
+                }
+            }
+        }
+        Monitor { child, stderr: rx }
+    }
+
+    /// `n` datagrams from the client, each from a port of its own.
+    fn send(&self, dst: SocketAddrV4, n: usize) {
+        self.cluster.client.ns.run(|| {
+            for _ in 0..n {
+                let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+                s.send_to(b"x", dst).unwrap();
+            }
+        });
+    }
+
+    fn node_port(&self, port: u16) -> SocketAddrV4 {
+        SocketAddrV4::new(self.cluster.nodes[0].ip(), port)
+    }
+}
+
+struct Monitor {
+    child: Child,
+    stderr: mpsc::Receiver<String>,
+}
+
+impl Monitor {
+    /// Its JSON lines (it stops by itself: `--count` or `--seconds`), and
+    /// its last words.
+    fn lines(mut self) -> (Vec<Value>, String) {
+        let out = self.child.stdout.take().unwrap();
+        let lines = BufReader::new(out)
+            .lines()
+            .map(|l| serde_json::from_str(&l.unwrap()).expect("a JSON line"))
+            .collect();
+        let status = self.child.wait().unwrap();
+        let said: Vec<String> = self.stderr.try_iter().collect();
+        assert!(status.success(), "monitor failed: {said:?}");
+        (lines, said.join("\n"))
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn events(lines: &[Value]) -> Vec<&Value> {
+    lines.iter().filter(|l| l["type"] != "lost").collect()
+}
+
+#[test]
+fn each_drop_and_reject_shows_up_with_its_reason_addresses_and_service() {
+    let s = Sandbox::new();
+    let m = s.monitor(&["--count", "4", "--seconds", "30"]);
+    let client = s.cluster.client.ip;
+    let cases = [
+        (
+            s.node_port(LOCAL_NONE),
+            "drop",
+            "drop_no_local_endpoint",
+            Some("default/local-none:p"),
+        ),
+        (
+            s.node_port(EMPTY),
+            "reject",
+            "reject_no_endpoints",
+            Some("default/empty:p"),
+        ),
+        (
+            SocketAddrV4::new(LB_IP, 53),
+            "drop",
+            "drop_source_range",
+            Some("default/ranged:p"),
+        ),
+        // A ClusterIP on a port it does not serve: no Service port to name.
+        (
+            SocketAddrV4::new(CLUSTER_IP, 54),
+            "reject",
+            "reject_unknown_port",
+            None,
+        ),
+    ];
+    for (dst, ..) in &cases {
+        s.send(*dst, 1);
+    }
+    let (lines, said) = m.lines();
+    let events = events(&lines);
+    assert_eq!(events.len(), 4, "{lines:?}\n{said}");
+    for (dst, kind, reason, service) in cases {
+        let e = events
+            .iter()
+            .find(|e| e["destination"] == dst.to_string())
+            .unwrap_or_else(|| panic!("no event for {dst}: {lines:?}"));
+        assert_eq!(e["type"], kind, "{e}");
+        assert_eq!(e["reason"], reason, "{e}");
+        assert_eq!(e["proto"], "UDP", "{e}");
+        assert_eq!(
+            e["hook"], "tc_ingress",
+            "the sandbox's veth runs the TC path: {e}"
+        );
+        assert_eq!(e["device"], "eth0", "{e}");
+        let source: SocketAddrV4 = e["source"].as_str().unwrap().parse().unwrap();
+        assert_eq!(*source.ip(), client, "{e}");
+        assert_eq!(e["service"].as_str(), service, "{e}");
+        assert!(e["length"].as_u64().unwrap() >= 28, "{e}");
+        assert!(e["time"].as_str().unwrap().ends_with('Z'), "{e}");
+    }
+    assert!(said.contains("4 events shown, 0 lost"), "{said}");
+}
+
+#[test]
+fn filters_leave_other_events_out() {
+    let s = Sandbox::new();
+    let only = |args: &[&str]| {
+        let m = s.monitor(&[args, &["--seconds", "3"]].concat());
+        s.send(s.node_port(LOCAL_NONE), 2);
+        s.send(s.node_port(EMPTY), 3);
+        s.send(SocketAddrV4::new(LB_IP, 53), 1);
+        let (lines, said) = m.lines();
+        let reasons: Vec<String> = events(&lines)
+            .iter()
+            .map(|e| e["reason"].as_str().unwrap().to_owned())
+            .collect();
+        (reasons, said)
+    };
+    let (r, said) = only(&["--type", "reject"]);
+    assert_eq!(r, vec!["reject_no_endpoints"; 3], "{said}");
+    let (r, said) = only(&["--service", "default/local-none"]);
+    assert_eq!(r, vec!["drop_no_local_endpoint"; 2], "{said}");
+    let (r, said) = only(&["--address", &LB_IP.to_string()]);
+    assert_eq!(r, vec!["drop_source_range"], "{said}");
+    let (r, said) = only(&["--port", &EMPTY.to_string(), "--proto", "udp"]);
+    assert_eq!(r.len(), 3, "{said}");
+    let (r, said) = only(&["--proto", "tcp"]);
+    assert!(r.is_empty(), "{r:?} {said}");
+    // A bad filter is a clear error.
+    let out = s.cluster.nodes[0]
+        .ns()
+        .command(BIN)
+        .args(["monitor", "--bpffs-dir", &s.pins(), "--service", "web"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("expected NAMESPACE/NAME"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn a_flood_of_drops_is_cut_to_the_rate_and_the_rest_counted() {
+    const FLOOD: usize = 5000;
+    const RATE: u64 = 50;
+    let s = Sandbox::new();
+    let m = s.monitor(&["--rate", &RATE.to_string(), "--seconds", "4"]);
+    s.send(s.node_port(LOCAL_NONE), FLOOD);
+    // The agent is not in the way of the events and keeps answering.
+    let n = &s.cluster.nodes[0];
+    let (status, _) = AgentProcess::http_get(n.ns(), SocketAddrV4::new(n.ip(), HEALTH_PORT), "/healthz")
+        .expect("/healthz during the flood");
+    assert_eq!(status, 200);
+    let (lines, said) = m.lines();
+    let shown = events(&lines).len() as u64;
+    let lost: u64 = lines
+        .iter()
+        .filter(|l| l["type"] == "lost")
+        .map(|l| l["count"].as_u64().unwrap())
+        .sum();
+    // At most a bucket's worth a second per CPU over 4 s (and the first
+    // full bucket), every other drop counted as lost.
+    let cpus = std::thread::available_parallelism().unwrap().get() as u64;
+    assert!(shown > 0, "{said}");
+    assert!(
+        shown <= RATE * cpus * 5,
+        "{shown} shown at {RATE}/s per CPU: {said}"
+    );
+    assert_eq!(shown + lost, FLOOD as u64, "every drop shown or counted: {said}");
+    assert!(
+        said.contains(&format!("{shown} events shown, {lost} lost")),
+        "{said}"
+    );
+}
