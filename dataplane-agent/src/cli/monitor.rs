@@ -152,7 +152,7 @@ pub fn decode(frame: &[u8]) -> Option<Headers> {
         }
     }
     let (sport, dport) = match proto {
-        6 | 17 | 132 if l4 != usize::MAX => (be16(ip, l4).unwrap_or(0), be16(ip, l4 + 2).unwrap_or(0)),
+        6 | 17 | 132 if l4 != usize::MAX => be16(ip, l4).zip(be16(ip, l4 + 2)).unwrap_or((0, 0)),
         _ => (0, 0),
     };
     Some(Headers {
