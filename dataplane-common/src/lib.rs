@@ -89,10 +89,15 @@ pub mod names {
     pub const MONITOR_CTL: &str = "DP_MONITOR_CTL_V1";
     pub const MONITOR_RATE: &str = "DP_MONITOR_RATE_V1";
 
-    /// The fewest entries `map` can be created with: one, or a page for the
-    /// ring buffer (its size is a power-of-two number of pages).
+    /// The fewest entries `map` can be created with: one, or for the ring
+    /// buffer its own size (a power-of-two number of pages, whatever the
+    /// page size).
     pub fn min_entries(map: &str) -> u32 {
-        if map == MONITOR_EVENTS { 4096 } else { 1 }
+        if map == MONITOR_EVENTS {
+            crate::monitor::RING_BYTES
+        } else {
+            1
+        }
     }
 
     /// Every map the agent pins, in the order it creates them.

@@ -64,8 +64,8 @@ crate::impl_pod!(MonitorEvent);
 
 /// Default [`MonitorCtl::rate`].
 pub const DEFAULT_RATE: u32 = 1000;
-/// Bytes of the ring buffer (a power of two of pages): 1724 events (each
-/// 152 bytes behind an 8-byte header).
+/// Bytes of the ring buffer (a power of two of pages, 4 KiB to 64 KiB):
+/// 1638 events (each 152 bytes behind an 8-byte header).
 pub const RING_BYTES: u32 = 256 * 1024;
 /// How far ahead a reader sets [`MonitorCtl::until_ns`], and renews it
 /// every half of that.

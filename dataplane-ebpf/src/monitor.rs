@@ -28,22 +28,29 @@ pub fn report<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
         return;
     }
     let rate = ctl.rate as u64;
+    if rate == 0 {
+        return;
+    }
     let Some(bucket) = MONITOR_RATE.get_ptr_mut(0) else {
         return;
     };
     // SAFETY: this CPU's slot; packet programs do not nest on a CPU.
     let bucket = unsafe { &mut *bucket };
-    // Refill: `rate` tokens a second, at most `rate` held.
+    // Refill: `rate` tokens a second, at most `rate` held. The clock moves
+    // by the whole tokens credited only, so that no fraction is lost.
     let elapsed = now.saturating_sub(bucket.last_ns);
-    let refill = if elapsed >= 1_000_000_000 {
-        rate
-    } else {
-        elapsed * rate / 1_000_000_000
-    };
-    if refill > 0 {
-        bucket.tokens = (bucket.tokens + refill).min(rate);
+    if elapsed >= 1_000_000_000 {
+        bucket.tokens = rate;
         bucket.last_ns = now;
+    } else {
+        let refill = elapsed * rate / 1_000_000_000;
+        if refill > 0 {
+            bucket.tokens += refill;
+            bucket.last_ns += refill * 1_000_000_000 / rate;
+        }
     }
+    // A lower --rate than the one that filled the bucket takes at once.
+    bucket.tokens = bucket.tokens.min(rate);
     if bucket.tokens == 0 {
         bucket.lost += 1;
         return;
@@ -52,7 +59,7 @@ pub fn report<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
         bucket.lost += 1;
         return;
     };
-    bucket.tokens -= 1;
+    bucket.tokens = bucket.tokens.saturating_sub(1);
     let len = ctx.packet_len() as u32;
     // 1..=CAPTURE, in a shape the verifier follows (a helper refuses 0).
     let captured = ((len.clamp(1, CAPTURE as u32) - 1) & (CAPTURE as u32 - 1)) + 1;
@@ -66,6 +73,7 @@ pub fn report<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
         (*ev).hook = hook as u8;
         (*ev).event = event as u8;
         (*ev).len = len;
+        (*ev)._pad = 0;
         let ok = len > 0 && ctx.load_bytes((&raw mut (*ev).data).cast(), captured);
         (*ev).captured = if ok { captured as u16 } else { 0 };
     }

@@ -14,7 +14,7 @@ use aya_ebpf::{
 use dataplane_common::{
     config::{DpConfig, config_flags},
     ct::{Sock4RevKey, Sock4RevValue, Sock6RevKey, Sock6RevValue},
-    lb::LbBackend,
+    lb::{LbBackend, LbServiceKey, service_flags},
     stats::{Event, Hook},
 };
 
@@ -67,8 +67,12 @@ fn applies<F: Family>(ctx: &SockAddrContext, daddr: &F::A) -> Option<&'static Dp
     if cfg.flags & config_flags::CONFIGURED == 0 {
         return None;
     }
+    let loopback = F::is_loopback(daddr);
+    if loopback && cfg.flags & config_flags::LOCALHOST_NODEPORTS == 0 {
+        return None;
+    }
     // SAFETY: helper on our own context.
-    if (cfg.flags & config_flags::SOCKET_LB_HOST_ONLY != 0 || F::is_loopback(daddr))
+    if (cfg.flags & config_flags::SOCKET_LB_HOST_ONLY != 0 || loopback)
         && unsafe { bpf_get_netns_cookie(ctx.sock_addr.cast()) } != cfg.host_netns_cookie
     {
         return None;
@@ -79,19 +83,27 @@ fn applies<F: Family>(ctx: &SockAddrContext, daddr: &F::A) -> Option<&'static Dp
 /// The backend a socket to `daddr:dport` gets, as the packet path would
 /// choose it for the node itself as the source: in the cluster (eTP=Local
 /// external destinations use the cluster set), its own address for source
-/// ranges. A loopback destination is a localhost NodePort: the node's
-/// primary address of the family stands in for it (when the agent enables
-/// them). The socket then picks its source for the backend's route: an
-/// address of the node, never 127.0.0.1, as kube-proxy's MASQUERADE of
-/// localhost NodePorts gives.
+/// ranges. A loopback destination (`applies` let it through: localhost
+/// NodePorts are on) is a localhost NodePort: the NodePort of the node's
+/// primary address of the family, and nothing else found there (an
+/// externalIP or a LoadBalancer IP equal to the node's address is not
+/// reachable on loopback, as with kube-proxy). The socket then picks its
+/// source for the backend's route: an address of the node, never
+/// 127.0.0.1, as kube-proxy's MASQUERADE of localhost NodePorts gives.
 #[inline(always)]
 fn pick<F: Family>(cfg: &DpConfig, daddr: F::A, dport: u16, proto: u8) -> Result<LbBackend<F::A>, Event> {
     let source = F::snat_ip(cfg);
     let frontend = if F::is_loopback(&daddr) {
-        if cfg.flags & config_flags::LOCALHOST_NODEPORTS == 0 {
-            return Err(Event::Pass);
+        let key = LbServiceKey {
+            address: source,
+            port: dport,
+            proto,
+            ..Default::default()
+        };
+        match lb::frontend::<F>(&key) {
+            Some(svc) if svc.flags & service_flags::KIND_MASK == service_flags::NODE_PORT => source,
+            _ => return Err(Event::Pass),
         }
-        source
     } else {
         daddr
     };

@@ -461,7 +461,13 @@ fn localhost_node_ports_serve_the_nodes_own_processes_only() {
         .cluster_ip(CIP)
         .node_port(30053)
         .endpoint(s.ep("a", UDP_PORT));
-    s.program(&[&tcp, &udp]);
+    // An externalIP that is node2's own address, on the port node2's own
+    // listener has on 127.0.0.1: not a NodePort, so loopback keeps it.
+    let ext = TestService::new(3, "ext", Protocol::Tcp, 9999)
+        .cluster_ip(Ipv4Addr::new(10, 96, 0, 11))
+        .external_ip(s.cluster.nodes[1].ip())
+        .endpoint(s.ep("a", TCP_PORT));
+    s.program(&[&tcp, &udp, &ext]);
     let local_tcp = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 30080);
     let local_udp = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 30053);
     assert_eq!(
@@ -496,7 +502,8 @@ fn localhost_node_ports_serve_the_nodes_own_processes_only() {
         );
     }
 
-    // A port that is no NodePort: the node's own listener on 127.0.0.1.
+    // A port that is no NodePort (an externalIP of the node's address
+    // there): the node's own listener on 127.0.0.1.
     let _own = EchoServer::tcp(
         s.cluster.nodes[1].ns(),
         "node2-own",

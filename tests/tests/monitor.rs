@@ -164,6 +164,23 @@ impl Sandbox {
         });
     }
 
+    /// Packets node1's datapath counted under `event` (every hook).
+    fn dropped(&self, event: &str) -> u64 {
+        let out = std::process::Command::new(BIN)
+            .args(["inspect", "--bpffs-dir", &self.pins(), "-o", "json", "stats"])
+            .output()
+            .expect("run inspect");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["event"] == event)
+            .map(|e| e["packets"].as_u64().unwrap())
+            .sum()
+    }
+
     fn node_port(&self, port: u16) -> SocketAddrV4 {
         SocketAddrV4::new(self.cluster.nodes[0].ip(), port)
     }
@@ -184,7 +201,8 @@ impl Monitor {
             .map(|l| serde_json::from_str(&l.unwrap()).expect("a JSON line"))
             .collect();
         let status = self.child.wait().unwrap();
-        let said: Vec<String> = self.stderr.try_iter().collect();
+        // Until its stderr ends: the last words are there.
+        let said: Vec<String> = self.stderr.iter().collect();
         assert!(status.success(), "monitor failed: {said:?}");
         (lines, said.join("\n"))
     }
@@ -307,6 +325,7 @@ fn a_flood_of_drops_is_cut_to_the_rate_and_the_rest_counted() {
     const RATE: u64 = 50;
     let s = Sandbox::new();
     let m = s.monitor(&["--rate", &RATE.to_string(), "--seconds", "4"]);
+    let before = s.dropped("drop_no_local_endpoint");
     s.send(s.node_port(LOCAL_NONE), FLOOD);
     // The agent is not in the way of the events and keeps answering.
     let n = &s.cluster.nodes[0];
@@ -322,15 +341,44 @@ fn a_flood_of_drops_is_cut_to_the_rate_and_the_rest_counted() {
         .sum();
     // At most a bucket's worth a second per CPU over 4 s (and the first
     // full bucket), every other drop counted as lost.
+    let dropped = s.dropped("drop_no_local_endpoint") - before;
     let cpus = std::thread::available_parallelism().unwrap().get() as u64;
+    assert!(
+        dropped > FLOOD as u64 / 2,
+        "the flood reached the datapath: {dropped}"
+    );
     assert!(shown > 0, "{said}");
     assert!(
         shown <= RATE * cpus * 5,
         "{shown} shown at {RATE}/s per CPU: {said}"
     );
-    assert_eq!(shown + lost, FLOOD as u64, "every drop shown or counted: {said}");
+    assert_eq!(shown + lost, dropped, "every drop shown or counted: {said}");
     assert!(
         said.contains(&format!("{shown} events shown, {lost} lost")),
         "{said}"
+    );
+}
+
+/// The ring buffer is pinned: a `monitor` started before an agent's
+/// `kill -9` and restart shows the drops after it, without a restart of
+/// its own.
+#[test]
+fn a_monitor_keeps_following_across_an_agent_restart() {
+    let mut s = Sandbox::new();
+    let m = s.monitor(&["--count", "2", "--seconds", "60"]);
+    s.send(s.node_port(LOCAL_NONE), 1);
+    s.agent.restart(s.cluster.nodes[0].ns());
+    s.wait_programmed();
+    s.send(s.node_port(EMPTY), 1);
+    let (lines, said) = m.lines();
+    let reasons: Vec<&str> = events(&lines)
+        .iter()
+        .map(|e| e["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        reasons,
+        ["drop_no_local_endpoint", "reject_no_endpoints"],
+        "{said}\n{}",
+        s.agent.log_text()
     );
 }

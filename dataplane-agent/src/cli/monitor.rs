@@ -8,6 +8,7 @@
 
 use std::{
     collections::HashMap,
+    io::Write as _,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     os::fd::{AsFd as _, AsRawFd as _},
     path::PathBuf,
@@ -139,16 +140,20 @@ pub fn decode(frame: &[u8]) -> Option<Headers> {
     };
     // IPv6 extension headers: hop-by-hop, routing, destination options,
     // fragment (a later fragment has no ports).
+    // A capture cut inside them keeps the addresses (no ports, protocol
+    // as far as known).
     while ethertype == 0x86dd && matches!(proto, 0 | 43 | 60 | 44) && l4 != usize::MAX {
-        let next = *ip.get(l4)?;
+        let (Some(&next), Some(&len)) = (ip.get(l4), ip.get(l4 + 1)) else {
+            l4 = usize::MAX;
+            break;
+        };
         if proto == 44 {
             let later = be16(ip, l4 + 2).is_none_or(|o| o & 0xfff8 != 0);
             proto = next;
             l4 = if later { usize::MAX } else { l4 + 8 };
         } else {
-            let len = (*ip.get(l4 + 1)? as usize + 1) * 8;
             proto = next;
-            l4 += len;
+            l4 += (len as usize + 1) * 8;
         }
     }
     let (sport, dport) = match proto {
@@ -293,14 +298,18 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
     let json = args.output == "json";
     let started = Instant::now();
     let started_ns = monotonic_ns();
-    let mut lost_seen = lost(&rate);
-    let mut lost_shown = 0u64;
-    let mut shown = 0u64;
+    let mut out = Output {
+        json,
+        rate: args.rate,
+        lost_seen: lost(&rate),
+        lost_shown: 0,
+        shown: 0,
+        stdout: std::io::stdout().lock(),
+    };
     let mut renewed: Option<Instant> = None;
     // Said once the kernel writes events: from then on nothing is missed.
     let mut announced = false;
-    let mut stdout = std::io::stdout().lock();
-    use std::io::Write as _;
+    let done = |out: &Output| args.count.is_some_and(|c| out.shown >= c);
     loop {
         if renewed.is_none_or(|t| t.elapsed() >= Duration::from_nanos(LEASE_NS / 2)) {
             renewed = Some(Instant::now());
@@ -309,7 +318,7 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
                 (ring, ring_id) = open_ring(&pins)?;
                 ctl = open_ctl()?;
                 rate = open_rate()?;
-                lost_seen = lost(&rate);
+                out.lost_seen = lost(&rate);
             }
             let lease = MonitorCtl {
                 until_ns: monotonic_ns() + LEASE_NS,
@@ -325,26 +334,12 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
                     args.rate
                 );
             }
-            let now_lost = lost(&rate);
-            if now_lost > lost_seen {
-                let n = now_lost - lost_seen;
-                lost_shown += n;
-                if json {
-                    writeln!(stdout, "{}", json!({"type": "lost", "count": n}))?;
-                } else {
-                    writeln!(
-                        stdout,
-                        "-- {n} events lost to the kernel's limit of {}/s per CPU",
-                        args.rate
-                    )?;
-                }
-                stdout.flush()?;
-            }
-            lost_seen = now_lost;
+            out.lost(&rate)?;
         }
-        if args
-            .seconds
-            .is_some_and(|s| started.elapsed() >= Duration::from_secs(s))
+        if done(&out)
+            || args
+                .seconds
+                .is_some_and(|s| started.elapsed() >= Duration::from_secs(s))
         {
             break;
         }
@@ -355,7 +350,9 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
         }];
         // SAFETY: one valid pollfd.
         unsafe { libc::poll(fds.as_mut_ptr(), 1, 200) };
-        while let Some(item) = ring.next() {
+        // At most a ring's worth before the lease is looked at again.
+        for _ in 0..2048 {
+            let Some(item) = ring.next() else { break };
             if item.len() < std::mem::size_of::<MonitorEvent>() {
                 continue;
             }
@@ -364,25 +361,76 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
             let ev: MonitorEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
             drop(item);
             // Left in the ring before this reader came (for an earlier one).
-            if ev.ts_ns < started_ns {
+            if ev.ts_ns < started_ns || done(&out) {
                 continue;
             }
-            let Some(line) = render(&ev, args, proto, service, &mut services, wall_offset, json) else {
-                continue;
-            };
-            writeln!(stdout, "{line}")?;
-            shown += 1;
-            if args.count.is_some_and(|c| shown >= c) {
-                break;
+            if let Some(line) = render(&ev, args, proto, service, &mut services, wall_offset, json) {
+                out.line(&line)?;
             }
         }
-        stdout.flush()?;
-        if args.count.is_some_and(|c| shown >= c) {
-            break;
+        out.stdout.flush()?;
+    }
+    // The kernel stops writing at once; what it wrote or left out until
+    // then is shown or counted.
+    let _ = ctl.set(0, MonitorCtl::default(), 0);
+    while let Some(item) = ring.next() {
+        if item.len() < std::mem::size_of::<MonitorEvent>() || done(&out) {
+            continue;
+        }
+        // SAFETY: as above.
+        let ev: MonitorEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+        drop(item);
+        if ev.ts_ns >= started_ns
+            && let Some(line) = render(&ev, args, proto, service, &mut services, wall_offset, json)
+        {
+            out.line(&line)?;
         }
     }
-    eprintln!("{shown} events shown, {lost_shown} lost to the kernel's rate limit");
+    out.lost(&rate)?;
+    out.stdout.flush()?;
+    eprintln!(
+        "{} events shown, {} lost (over the rate, or the ring was full)",
+        out.shown, out.lost_shown
+    );
     Ok(())
+}
+
+/// Where events and losses are written, and their tally.
+struct Output {
+    json: bool,
+    rate: u32,
+    /// The kernel's lost count last looked at, and what was shown of it.
+    lost_seen: u64,
+    lost_shown: u64,
+    shown: u64,
+    stdout: std::io::StdoutLock<'static>,
+}
+
+impl Output {
+    fn line(&mut self, line: &str) -> std::io::Result<()> {
+        self.shown += 1;
+        writeln!(self.stdout, "{line}")
+    }
+
+    /// A line for the events the kernel left out since the last look.
+    fn lost(&mut self, rate: &PerCpuArray<MapData, MonitorRate>) -> std::io::Result<()> {
+        let now = lost(rate);
+        if now > self.lost_seen {
+            let n = now - self.lost_seen;
+            self.lost_shown += n;
+            if self.json {
+                writeln!(self.stdout, "{}", json!({"type": "lost", "count": n}))?;
+            } else {
+                writeln!(
+                    self.stdout,
+                    "-- {n} events lost (over {}/s per CPU, or the ring was full)",
+                    self.rate
+                )?;
+            }
+        }
+        self.lost_seen = now;
+        Ok(())
+    }
 }
 
 /// The event's line, or `None` when a filter leaves it out.
@@ -431,13 +479,16 @@ fn render(
     }
     let time = jiff::Timestamp::from_nanosecond(ev.ts_ns as i128 + wall_offset).ok()?;
     let device = device_name(ev.ifindex);
-    let proto_name =
-        |p: u8| Protocol::from_number(p).map_or_else(|| p.to_string(), |p| p.as_str().to_owned());
+    // TCP, UDP and SCTP by name, with ports (when the capture has them);
+    // any other protocol by number, addresses alone.
     let ends = h.map(|h| {
+        let known = Protocol::from_number(h.proto);
+        let ported = known.is_some() && (h.sport, h.dport) != (0, 0);
+        let end = |a: IpAddr, p: u16| if ported { host_port(a, p) } else { a.to_string() };
         (
-            proto_name(h.proto),
-            host_port(h.src, h.sport),
-            host_port(h.dst, h.dport),
+            known.map_or_else(|| json!(h.proto), |p| json!(p.as_str())),
+            end(h.src, h.sport),
+            end(h.dst, h.dport),
         )
     });
     if json {
@@ -457,9 +508,12 @@ fn render(
         });
         return Some(v.to_string());
     }
-    let (p, s, d) = ends.unwrap_or_else(|| ("?".into(), "?".into(), "?".into()));
+    let (p, s, d) = ends.map_or_else(
+        || ("?".into(), "?".into(), "?".into()),
+        |(p, s, d)| (p.as_str().map_or_else(|| p.to_string(), str::to_owned), s, d),
+    );
     Some(format!(
-        "{} {:<14} {:<10} {:<28} {:<4} {} -> {} {}",
+        "{}Z {:<14} {:<10} {:<28} {:<4} {} -> {} {}",
         time.strftime("%H:%M:%S%.3f"),
         hook.name(),
         device,
@@ -524,5 +578,9 @@ mod tests {
         let h = decode(&frame(0x86dd, &ip, &[])).unwrap();
         assert_eq!(h.dst, "2001:db8::11".parse::<IpAddr>().unwrap());
         assert_eq!((h.proto, h.sport, h.dport), (17, 53, 30050));
+        // Cut inside an extension header: the addresses stay, no ports.
+        let h = decode(&frame(0x86dd, &ip[..48], &[])).unwrap();
+        assert_eq!(h.dst, "2001:db8::11".parse::<IpAddr>().unwrap());
+        assert_eq!((h.sport, h.dport), (0, 0));
     }
 }
