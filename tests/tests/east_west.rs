@@ -7,7 +7,7 @@ use std::{
     collections::BTreeSet,
     io::ErrorKind,
     net::{Ipv4Addr, SocketAddrV4},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use dataplane_agent::net::Protocol;
@@ -250,11 +250,10 @@ fn pod_gets_an_immediate_error_from_a_service_without_endpoints() {
     let tcp = s.svc(1, &[]);
     let udp = TestService::new(2, "dns", Protocol::Udp, 53).cluster_ip(CIP);
     s.program(&[&tcp, &udp]);
-    let started = Instant::now();
+    // Refused (the ICMP reject), not timed out (a drop): the error says it.
     let err = TcpClient::connect(&s.cluster.pod("client").ns, SocketAddrV4::new(CIP, 80))
         .expect_err("no endpoints");
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}; {}", s.report());
-    assert!(started.elapsed() < Duration::from_secs(1));
     let err = UdpClient::connect(&s.cluster.pod("client").ns, SocketAddrV4::new(CIP, 53))
         .unwrap()
         .request("q")

@@ -6,7 +6,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     io::ErrorKind,
     net::{Ipv4Addr, SocketAddrV4},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use dataplane_agent::{
@@ -342,15 +342,10 @@ fn service_without_endpoints_is_rejected_with_icmp_at_once() {
     s.program_all(&[&tcp, &udp]);
     let dst = SocketAddrV4::new(s.node_ip(0), NODE_PORT);
 
-    let started = Instant::now();
+    // The client's kernel turns the ICMP error into ECONNREFUSED on the first
+    // SYN; a drop would show as a timeout instead.
     let err = TcpClient::connect(&s.cluster.client.ns, dst).expect_err("no endpoints");
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}; {}", s.report());
-    // The client's kernel turns the ICMP error into ECONNREFUSED on the first
-    // SYN; a drop would only show after the connect timeout.
-    assert!(
-        started.elapsed() < Duration::from_secs(1),
-        "rejected immediately, not timed out"
-    );
 
     let err = udp_request(&s.cluster.client.ns, dst, "q").expect_err("no endpoints");
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}");
@@ -509,7 +504,8 @@ fn every_verdict(mut s: Sandbox) {
         ("a", s.cluster.client.ip.into())
     );
 
-    let started = Instant::now();
+    // Refused by the ICMP errors the node sent back (a drop would be a
+    // timeout), and counted as rejects.
     let err = TcpClient::connect(client, node(NODE_PORT + 1)).expect_err("no endpoints");
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}; {}", s.report());
     let err = udp_request(client, node(NODE_PORT + 1), "q").expect_err("no endpoints");
@@ -517,8 +513,6 @@ fn every_verdict(mut s: Sandbox) {
     let err = TcpClient::connect(client, SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 81))
         .expect_err("unknown port");
     assert_eq!(err.kind(), ErrorKind::ConnectionRefused, "{err}; {}", s.report());
-    // Refused by the ICMP errors the node sent back, not by timeouts.
-    assert!(started.elapsed() < Duration::from_secs(2), "rejected at once");
     assert!(s.counter(0, Event::RejectNoEndpoints) >= 2, "{}", s.report());
     assert!(s.counter(0, Event::RejectUnknownPort) >= 1, "{}", s.report());
     assert_eq!(s.counter(0, Event::DropRejectFailed), 0, "{}", s.report());
