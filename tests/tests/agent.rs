@@ -438,15 +438,7 @@ fn a_live_masqueraded_connection_survives_100k_new_connections_beside_it() {
     );
     let stats = assert_no_drops(&s, 0);
     let flows = &stats["flows"];
-    let count = |name: &str| {
-        flows
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|f| f["stat"] == name)
-            .and_then(|f| f["count"].as_u64())
-            .unwrap_or(0)
-    };
+    let count = |name: &str| flow_count(flows, name);
     // Node 1's share of 100k connections over 3 backends cycles each port
     // space more than once: closed flows' ports were taken over (by a new
     // flow from the same client port: `tuple_takeover`; from another one
@@ -487,10 +479,6 @@ fn pods_that_appear_after_the_agent_started_reach_services() {
     );
 }
 
-/// `dataplane-agent inspect ... -o json` against `agent`'s pins.
-/// Asserts that node `agent`'s datapath dropped nothing (a dropped SYN is
-/// retransmitted after 1 s, within the clients' timeouts: a connection that
-/// "worked" may still have lost its first packet); returns `inspect stats`.
 /// A flood of new flows that fills conntrack (each agent's LRU holds
 /// 16384 entries) breaks no established connection: 20 idle connections
 /// through a masqueraded NodePort with three endpoints, then three times
@@ -551,15 +539,7 @@ fn a_flood_that_fills_conntrack_breaks_no_established_connection() {
     });
     let stats = inspect(&s, 0, &["stats"]);
     let flows = &stats["flows"];
-    let count = |name: &str| {
-        flows
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|f| f["stat"] == name)
-            .and_then(|f| f["count"].as_u64())
-            .unwrap_or(0)
-    };
+    let count = |name: &str| flow_count(flows, name);
     assert!(
         count("ct_inserted") >= 2 * FLOWS as u64,
         "the flood's flows went through conntrack: {flows}"
@@ -596,10 +576,8 @@ fn a_flood_that_fills_conntrack_breaks_no_established_connection() {
 /// each, the server closing first so that TIME_WAIT stays on its side, as
 /// with HTTP's `Connection: close`) to a masqueraded NodePort for 10 s
 /// while its second endpoint leaves and rejoins every 50 ms and 50 other
-/// Services move their endpoints; a single connection refused, reset or
-/// unanswered within 2 s fails the test. (The failures this catches came
-/// from SNAT ports handed to a new client while the backend still held the
-/// old connection's tuple in TIME_WAIT: see `ct::in_time_wait`.)
+/// Services move their endpoints; a connection refused, reset or
+/// unanswered within 2 s is lost (see the bound below).
 #[test]
 fn new_connections_survive_endpoint_churn() {
     let others = |c: &Cluster, round: usize| -> String {
@@ -697,6 +675,9 @@ fn new_connections_survive_endpoint_churn() {
     assert_no_drops(&s, 0);
 }
 
+/// Asserts that node `agent`'s datapath dropped nothing (a dropped SYN is
+/// retransmitted after 1 s, within the clients' timeouts: a connection that
+/// "worked" may still have lost its first packet); returns `inspect stats`.
 fn assert_no_drops(s: &Sandbox, agent: usize) -> serde_json::Value {
     let stats = inspect(s, agent, &["stats"]);
     let drops: Vec<&serde_json::Value> = stats["events"]
@@ -709,6 +690,18 @@ fn assert_no_drops(s: &Sandbox, agent: usize) -> serde_json::Value {
     stats
 }
 
+/// A count of `inspect stats`' `flows` (0 when absent).
+fn flow_count(flows: &serde_json::Value, name: &str) -> u64 {
+    flows
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["stat"] == name)
+        .and_then(|f| f["count"].as_u64())
+        .unwrap_or(0)
+}
+
+/// `dataplane-agent inspect ... -o json` against `agent`'s pins.
 fn inspect(s: &Sandbox, agent: usize, what: &[&str]) -> serde_json::Value {
     let pins = s.cluster.bpffs.path().join(&s.cluster.nodes[agent].name);
     let out = std::process::Command::new(BIN)

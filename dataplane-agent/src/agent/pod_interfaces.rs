@@ -592,10 +592,11 @@ impl PodInterfaces {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn link(index: u32, name: &str, kind: Option<&str>, master: Option<u32>) -> Link {
+    /// An up link without XDP or address (shared with the preflight's tests).
+    pub(crate) fn link(index: u32, name: &str, kind: Option<&str>, master: Option<u32>) -> Link {
         Link {
             index,
             name: name.into(),

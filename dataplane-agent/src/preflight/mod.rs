@@ -860,20 +860,7 @@ fn devices(opts: &Options) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::pod_interfaces::discover;
-
-    fn link(index: u32, name: &str, kind: Option<&str>, master: Option<u32>) -> Link {
-        Link {
-            index,
-            name: name.into(),
-            up: true,
-            master,
-            lower: None,
-            kind: kind.map(Into::into),
-            xdp: None,
-            mac: None,
-        }
-    }
+    use crate::agent::pod_interfaces::{discover, tests::link};
 
     fn addr(link: u32, a: &str, prefix_len: u8) -> Address {
         Address {
