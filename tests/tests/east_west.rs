@@ -7,7 +7,6 @@ use std::{
     collections::BTreeSet,
     io::ErrorKind,
     net::{Ipv4Addr, SocketAddrV4},
-    time::Duration,
 };
 
 use dataplane_agent::net::Protocol;
