@@ -84,10 +84,12 @@ pub mod names {
     /// Live drop and reject events (a ring buffer of
     /// [`crate::monitor::MonitorEvent`]), whether anyone reads them
     /// ([`crate::monitor::MonitorCtl`]) and the per-CPU rate limit
-    /// ([`crate::monitor::MonitorRate`]).
+    /// ([`crate::monitor::MonitorRate`]), and each CPU's sampled packet
+    /// ([`crate::monitor::MonitorSample`]).
     pub const MONITOR_EVENTS: &str = "DP_MONITOR_EVENTS_V1";
     pub const MONITOR_CTL: &str = "DP_MONITOR_CTL_V1";
     pub const MONITOR_RATE: &str = "DP_MONITOR_RATE_V1";
+    pub const MONITOR_SAMPLE: &str = "DP_MONITOR_SAMPLE_V1";
 
     /// The fewest entries `map` can be created with: one, or for the ring
     /// buffer its own size (a power-of-two number of pages, whatever the
@@ -101,7 +103,7 @@ pub mod names {
     }
 
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 29] = [
+    pub const ALL_MAPS: [&str; 30] = [
         CONFIG,
         ADDR_FILTER,
         HINT_DEVICES,
@@ -131,6 +133,7 @@ pub mod names {
         MONITOR_EVENTS,
         MONITOR_CTL,
         MONITOR_RATE,
+        MONITOR_SAMPLE,
     ];
 
     /// XDP on the node's external devices: north-south translation.

@@ -4,6 +4,12 @@
 //! [`MonitorCtl::until_ns`] in the future, and at most
 //! [`MonitorCtl::rate`] events a second per CPU (a token bucket in
 //! [`crate::names::MONITOR_RATE`]); the rest are counted as lost there.
+//!
+//! While a reader also asks for trace events ([`MonitorCtl::sample`]), one
+//! packet in `sample` has its first bytes kept as it enters a hook
+//! ([`MonitorSample`], per CPU) and, when the hook translated it
+//! ([`traced`]), a [`MonitorTrace`] carries it before and after, through
+//! the same rate limit and ring.
 
 /// Written by the reader ([`crate::names::MONITOR_CTL`], one entry).
 #[repr(C)]
@@ -14,7 +20,11 @@ pub struct MonitorCtl {
     pub until_ns: u64,
     /// Events per second per CPU; also the bucket's depth.
     pub rate: u32,
-    pub _pad: u32,
+    /// Trace events: one packet in `sample` (drawn at random) that a hook
+    /// translates is reported before and after; 0: none. The kernel sets it
+    /// to 0 when it finds the lease expired (a reader that was killed), so
+    /// that nobody pays for samples nobody reads.
+    pub sample: u32,
 }
 crate::assert_layout!(MonitorCtl, 16, 8);
 crate::impl_pod!(MonitorCtl);
@@ -62,10 +72,60 @@ pub struct MonitorEvent {
 crate::assert_layout!(MonitorEvent, 24 + CAPTURE, 8);
 crate::impl_pod!(MonitorEvent);
 
+/// The first bytes of a sampled packet as it entered the hook, per CPU
+/// ([`crate::names::MONITOR_SAMPLE`]): kept until the hook's verdict, when
+/// they become a [`MonitorTrace`] if the packet was translated. Packet
+/// programs do not nest on a CPU, so one slot is enough. 8-byte aligned,
+/// so that `data` is copied as words.
+#[repr(C, align(8))]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MonitorSample {
+    /// 1 from the hook's entry to its verdict when this packet is sampled.
+    pub armed: u32,
+    /// Bytes of the packet, and of them in `data`.
+    pub len: u32,
+    pub captured: u32,
+    pub _pad: u32,
+    pub data: [u8; CAPTURE],
+}
+crate::assert_layout!(MonitorSample, 16 + CAPTURE, 8);
+crate::impl_pod!(MonitorSample);
+
+/// A sampled packet that a hook translated: `before` as it entered (its
+/// `event` is [`crate::stats::Event::NewFlow`], `Established`, `Reply` or
+/// `IcmpErrorTranslated`), and its first bytes as it left.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MonitorTrace {
+    pub before: MonitorEvent,
+    pub after_len: u32,
+    pub after_captured: u16,
+    pub _pad: u16,
+    pub after: [u8; CAPTURE],
+}
+crate::assert_layout!(MonitorTrace, 24 + CAPTURE + 8 + CAPTURE, 8);
+crate::impl_pod!(MonitorTrace);
+
+/// Whether a packet counted under `event` is a translation a trace event
+/// reports (a forwarded packet the hook rewrote).
+#[inline(always)]
+pub const fn traced(event: u32) -> bool {
+    event < 32 && TRACED & (1 << event) != 0
+}
+
+const TRACED: u32 = {
+    use crate::stats::Event;
+    1 << Event::NewFlow as u32
+        | 1 << Event::Established as u32
+        | 1 << Event::Reply as u32
+        | 1 << Event::IcmpErrorTranslated as u32
+};
+
 /// Default [`MonitorCtl::rate`].
 pub const DEFAULT_RATE: u32 = 1000;
 /// Bytes of the ring buffer (a power of two of pages, 4 KiB to 64 KiB):
-/// 1638 events (each 152 bytes behind an 8-byte header).
+/// 1638 drop events (each 152 bytes behind an 8-byte header), or 885
+/// trace events (296).
 pub const RING_BYTES: u32 = 256 * 1024;
 /// How far ahead a reader sets [`MonitorCtl::until_ns`], and renews it
 /// every half of that.

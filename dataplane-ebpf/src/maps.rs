@@ -22,8 +22,9 @@ use dataplane_common::{
     stats::{COUNTER_SLOTS, Counter, FLOW_STAT_SLOTS},
 };
 
-/// Live drop and reject events (`monitor`), whether anyone reads them,
-/// and each CPU's rate limit (`dataplane_common::monitor`).
+/// Live drop, reject and trace events (`monitor`), whether anyone reads
+/// them, each CPU's rate limit and sampled packet
+/// (`dataplane_common::monitor`).
 #[map(name = "DP_MONITOR_EVENTS_V1")]
 pub static MONITOR_EVENTS: RingBuf = RingBuf::with_byte_size(dataplane_common::monitor::RING_BYTES, 0);
 
@@ -32,6 +33,10 @@ pub static MONITOR_CTL: Array<dataplane_common::monitor::MonitorCtl> = Array::wi
 
 #[map(name = "DP_MONITOR_RATE_V1")]
 pub static MONITOR_RATE: PerCpuArray<dataplane_common::monitor::MonitorRate> =
+    PerCpuArray::with_max_entries(1, 0);
+
+#[map(name = "DP_MONITOR_SAMPLE_V1")]
+pub static MONITOR_SAMPLE: PerCpuArray<dataplane_common::monitor::MonitorSample> =
     PerCpuArray::with_max_entries(1, 0);
 
 #[map(name = "DP_CONFIG_V4")]

@@ -1,43 +1,46 @@
-//! Live drop and reject events (`dataplane-agent monitor`): see
-//! `dataplane_common::monitor`. Called from the packet path's one exit for
-//! a packet counted as a drop or a reject, before anything rewrote it;
-//! one map read (is anyone listening?) when nobody is. The packet's first
-//! bytes are copied as they are, by one helper call, and decoded by the
-//! reader: nothing to parse, a small program for the verifier to walk.
+//! Live events (`dataplane-agent monitor`): see `dataplane_common::monitor`.
+//!
+//! Drops and rejects are reported from the packet path's one exit, before
+//! anything rewrote the packet; one map read (is anyone listening?) when
+//! nobody is. Trace events of translated packets cost an array read at a
+//! hook's entry ([`start`]) and one at its verdict ([`finish`]) while
+//! nobody asks for them. Packets are copied
+//! as they are, by one helper call each, and decoded by the reader:
+//! nothing to parse, small programs for the verifier to walk.
 
-use aya_ebpf::helpers::bpf_ktime_get_ns;
+use aya_ebpf::helpers::{bpf_get_prandom_u32, bpf_ktime_get_ns};
 use dataplane_common::{
-    monitor::{CAPTURE, MonitorEvent},
+    monitor::{CAPTURE, MonitorEvent, MonitorTrace},
     stats::Hook,
 };
 
 use crate::{
     ctx::Ctx,
-    maps::{MONITOR_CTL, MONITOR_EVENTS, MONITOR_RATE},
+    maps::{MONITOR_CTL, MONITOR_EVENTS, MONITOR_RATE, MONITOR_SAMPLE},
 };
 
-/// Reports a packet counted under `event` (a drop or a reject) by `hook`,
-/// if a reader listens and this CPU's rate allows. A subprogram: its frame
-/// does not add to the lookup path's.
-#[inline(never)]
-pub fn report<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
-    let Some(ctl) = MONITOR_CTL.get(0) else { return };
-    // SAFETY: helper without arguments.
-    let now = unsafe { bpf_ktime_get_ns() };
-    if ctl.until_ns <= now {
-        return;
-    }
-    let rate = ctl.rate as u64;
+/// Bytes of a packet of `len` to copy: 1..=CAPTURE, in a shape the
+/// verifier follows (a helper refuses 0).
+#[inline(always)]
+fn captured(len: u32) -> u32 {
+    ((len.clamp(1, CAPTURE as u32) - 1) & (CAPTURE as u32 - 1)) + 1
+}
+
+/// Takes one of this CPU's tokens (`rate` a second, at most `rate` held);
+/// counts the event as lost when there is none.
+#[inline(always)]
+fn take_token(now: u64, rate: u32) -> bool {
+    let rate = rate as u64;
     if rate == 0 {
-        return;
+        return false;
     }
     let Some(bucket) = MONITOR_RATE.get_ptr_mut(0) else {
-        return;
+        return false;
     };
     // SAFETY: this CPU's slot; packet programs do not nest on a CPU.
     let bucket = unsafe { &mut *bucket };
-    // Refill: `rate` tokens a second, at most `rate` held. The clock moves
-    // by the whole tokens credited only, so that no fraction is lost.
+    // Refill. The clock moves by the whole tokens credited only, so that
+    // no fraction is lost.
     let elapsed = now.saturating_sub(bucket.last_ns);
     if elapsed >= 1_000_000_000 {
         bucket.tokens = rate;
@@ -53,20 +56,38 @@ pub fn report<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
     bucket.tokens = bucket.tokens.min(rate);
     if bucket.tokens == 0 {
         bucket.lost += 1;
-        return;
+        return false;
     }
-    let Some(mut entry) = MONITOR_EVENTS.reserve::<MonitorEvent>(0) else {
-        bucket.lost += 1;
-        return;
-    };
-    bucket.tokens = bucket.tokens.saturating_sub(1);
+    bucket.tokens -= 1;
+    true
+}
+
+/// Counts an event written, or one the ring had no room for.
+#[inline(always)]
+fn count(sent: bool) {
+    if let Some(bucket) = MONITOR_RATE.get_ptr_mut(0) {
+        // SAFETY: as in `take_token`.
+        unsafe {
+            if sent {
+                (*bucket).sent += 1;
+            } else {
+                (*bucket).lost += 1;
+            }
+        }
+    }
+}
+
+/// Fills an event's header and copies the packet's first bytes into its
+/// `data`, as they are now.
+///
+/// # Safety
+/// `ev` points at a writable event.
+#[inline(always)]
+unsafe fn fill<C: Ctx>(ctx: &C, ev: *mut MonitorEvent, now: u64, hook: Hook, event: u32) {
     let len = ctx.packet_len() as u32;
-    // 1..=CAPTURE, in a shape the verifier follows (a helper refuses 0).
-    let captured = ((len.clamp(1, CAPTURE as u32) - 1) & (CAPTURE as u32 - 1)) + 1;
-    let ev = entry.as_mut_ptr();
-    // SAFETY: `ev` points at the reserved, writable record; every header
-    // field is written, one by one (a whole-struct write is a memset
-    // call), and `captured` bytes of `data`, before it is submitted.
+    let n = captured(len);
+    // SAFETY: the caller's; every header field is written, one by one (a
+    // whole-struct write is a memset call), and `n` bytes of `data`.
     unsafe {
         (*ev).ts_ns = now;
         (*ev).ifindex = ctx.ingress_ifindex();
@@ -74,9 +95,133 @@ pub fn report<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
         (*ev).event = event as u8;
         (*ev).len = len;
         (*ev)._pad = 0;
-        let ok = len > 0 && ctx.load_bytes((&raw mut (*ev).data).cast(), captured);
-        (*ev).captured = if ok { captured as u16 } else { 0 };
+        let ok = len > 0 && ctx.load_bytes((&raw mut (*ev).data).cast(), n);
+        (*ev).captured = if ok { n as u16 } else { 0 };
+    }
+}
+
+/// Reports a packet counted under `event` (a drop or a reject) by `hook`,
+/// if a reader listens and this CPU's rate allows. A subprogram: its frame
+/// does not add to the lookup path's.
+#[inline(never)]
+pub fn report<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
+    let Some(ctl) = MONITOR_CTL.get(0) else { return };
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if ctl.until_ns <= now || !take_token(now, ctl.rate) {
+        return;
+    }
+    let Some(mut entry) = MONITOR_EVENTS.reserve::<MonitorEvent>(0) else {
+        count(false);
+        return;
+    };
+    // SAFETY: the reserved record, written whole before it is submitted.
+    unsafe { fill(ctx, entry.as_mut_ptr(), now, hook, event) };
+    entry.submit(0);
+    count(true);
+}
+
+/// At a hook's entry, while a reader asks for trace events: whether this
+/// packet is sampled (kept in [`MONITOR_SAMPLE`] until [`finish`]). One
+/// array read (inlined by the JIT) when nobody asks. The control is read
+/// again at the verdict rather than kept: the entry points' stacks and
+/// their subprograms' have no 8 bytes to spare.
+#[inline(always)]
+pub fn start<C: Ctx>(ctx: &C) {
+    if MONITOR_CTL.get(0).is_some_and(|c| c.sample != 0) {
+        sample(ctx);
+    }
+}
+
+/// At a hook's verdict: [`traced`] while a reader asks for trace events.
+#[inline(always)]
+pub fn finish<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
+    if MONITOR_CTL.get(0).is_some_and(|c| c.sample != 0) {
+        traced(ctx, hook, event);
+    }
+}
+
+#[inline(never)]
+fn sample<C: Ctx>(ctx: &C) {
+    let (Some(ctl), Some(s)) = (MONITOR_CTL.get_ptr_mut(0), MONITOR_SAMPLE.get_ptr_mut(0)) else {
+        return;
+    };
+    // SAFETY: `s` is this CPU's slot (no nesting on a CPU); `ctl` the
+    // shared control, read and written a field at a time.
+    unsafe {
+        (*s).armed = 0;
+        let now = bpf_ktime_get_ns();
+        if (*ctl).until_ns <= now {
+            // The reader is gone without releasing its lease.
+            (*ctl).sample = 0;
+            return;
+        }
+        let every = (*ctl).sample;
+        if every == 0 || (every > 1 && bpf_get_prandom_u32() % every != 0) {
+            return;
+        }
+        let len = ctx.packet_len() as u32;
+        let n = captured(len);
+        let ok = len > 0 && ctx.load_bytes((&raw mut (*s).data).cast(), n);
+        (*s).len = len;
+        (*s).captured = if ok { n } else { 0 };
+        (*s).armed = 1;
+    }
+}
+
+/// At a hook's verdict, while trace events are asked for: a sampled packet
+/// counted under `event` is reported before and after when the hook
+/// translated it; the sample is released either way.
+#[inline(never)]
+fn traced<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
+    let (Some(ctl), Some(s)) = (MONITOR_CTL.get(0), MONITOR_SAMPLE.get_ptr_mut(0)) else {
+        return;
+    };
+    // SAFETY: this CPU's slot, as in `sample`.
+    let s = unsafe { &mut *s };
+    if s.armed == 0 {
+        return;
+    }
+    s.armed = 0;
+    if !dataplane_common::monitor::traced(event) {
+        return;
+    }
+    // SAFETY: helper without arguments.
+    let now = unsafe { bpf_ktime_get_ns() };
+    if ctl.until_ns <= now || !take_token(now, ctl.rate) {
+        return;
+    }
+    let Some(mut entry) = MONITOR_EVENTS.reserve::<MonitorTrace>(0) else {
+        count(false);
+        return;
+    };
+    let t = entry.as_mut_ptr();
+    // SAFETY: the reserved record, written whole before it is submitted:
+    // the header and `before` from the sample (copied as words: both are
+    // 8-byte aligned at these offsets), `after` from the packet now.
+    unsafe {
+        let b = &raw mut (*t).before;
+        (*b).ts_ns = now;
+        (*b).ifindex = ctx.ingress_ifindex();
+        (*b).hook = hook as u8;
+        (*b).event = event as u8;
+        (*b).len = s.len;
+        (*b)._pad = 0;
+        (*b).captured = s.captured as u16;
+        let from = (&raw const s.data).cast::<u64>();
+        let to = (&raw mut (*b).data).cast::<u64>();
+        let mut i = 0;
+        while i < CAPTURE / 8 {
+            to.add(i).write(from.add(i).read());
+            i += 1;
+        }
+        let len = ctx.packet_len() as u32;
+        let n = captured(len);
+        (*t).after_len = len;
+        (*t)._pad = 0;
+        let ok = len > 0 && ctx.load_bytes((&raw mut (*t).after).cast(), n);
+        (*t).after_captured = if ok { n as u16 } else { 0 };
     }
     entry.submit(0);
-    bucket.sent += 1;
+    count(true);
 }

@@ -224,7 +224,7 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
     }
     // Host routing: a packet translated on its way in (DNAT, or un-SNAT of
     // a reply) goes straight to its route's device.
-    if ingress
+    let verdict = if ingress
         && !sent
         && cfg.flags & config_flags::HOST_ROUTING != 0
         && (event == Event::NewFlow as u32
@@ -232,8 +232,13 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
             || event == Event::Reply as u32)
         && let Some(v) = ctx.route(cfg)
     {
-        return v;
-    }
+        v
+    } else {
+        verdict
+    };
+    // A sampled packet, as it leaves the hook: to `monitor` readers of
+    // trace events.
+    crate::monitor::finish(ctx, hook, event);
     verdict
 }
 
@@ -264,7 +269,10 @@ fn unparsed<C: Ctx>(p: Parsed) -> Step {
 #[inline(always)]
 pub fn ingress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
     match config() {
-        Some(cfg) => finish(ctx, cfg, hook, ingress_inner(ctx, cfg), true),
+        Some(cfg) => {
+            crate::monitor::start(ctx);
+            finish(ctx, cfg, hook, ingress_inner(ctx, cfg), true)
+        }
         None => unconfigured(ctx, hook),
     }
 }
@@ -513,7 +521,10 @@ fn dsr_new_flow<C: Ctx, F: Family>(cfg: &DpConfig, pkt: &Pkt<F::A>, choice: &Cho
 #[inline(always)]
 pub fn egress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
     match config() {
-        Some(cfg) => finish(ctx, cfg, hook, egress_inner(ctx, cfg), false),
+        Some(cfg) => {
+            crate::monitor::start(ctx);
+            finish(ctx, cfg, hook, egress_inner(ctx, cfg), false)
+        }
         None => unconfigured(ctx, hook),
     }
 }

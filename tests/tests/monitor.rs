@@ -24,11 +24,14 @@ const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 21);
 const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 30);
 const LOCAL_NONE: u16 = 30082;
 const EMPTY: u16 = 30081;
+const OPEN: u16 = 30083;
 
 /// UDP Services on node1 (agent there only), pod b on node2:
 /// - `local-none`: NodePort 30082, eTP=Local, its one endpoint on node2;
 /// - `empty`: NodePort 30081, no endpoints;
-/// - `ranged`: LoadBalancer 198.19.0.30 open to 203.0.113.0/24 only.
+/// - `ranged`: LoadBalancer 198.19.0.30 open to 203.0.113.0/24 only;
+/// - `open`: NodePort 30083, eTP=Cluster, its one endpoint on node2 (the
+///   packets node1 translates).
 struct Sandbox {
     agent: AgentProcess,
     _manifests: ManifestDir,
@@ -71,8 +74,19 @@ impl Sandbox {
             &format!("\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\n"),
             1,
         );
+        let open = udp(service_yaml(
+            "open",
+            "  type: NodePort\n  clusterIP: 10.96.0.24\n",
+            53,
+            Some(OPEN),
+            5353,
+            &eps,
+        ));
         let manifests = ManifestDir::new(cluster.prefix());
-        manifests.write("services.yaml", &format!("{local_none}---\n{empty}---\n{ranged}"));
+        manifests.write(
+            "services.yaml",
+            &format!("{local_none}---\n{empty}---\n{ranged}---\n{open}"),
+        );
         cluster.route_from_client("198.19.0.0/24", 0);
         cluster.route_from_client("10.96.0.0/16", 0);
         let agent = cluster.start_agent(BIN, 0, &manifests, &[]);
@@ -90,6 +104,7 @@ impl Sandbox {
         let wanted = [
             self.node_port(LOCAL_NONE).to_string(),
             self.node_port(EMPTY).to_string(),
+            self.node_port(OPEN).to_string(),
             format!("{LB_IP}:53"),
         ];
         let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -143,7 +158,7 @@ impl Sandbox {
         let mut said = Vec::new();
         loop {
             match rx.recv_timeout(Duration::from_secs(10)) {
-                Ok(line) if line.starts_with("following the drops and rejects") => break,
+                Ok(line) if line.starts_with("following the events") => break,
                 Ok(line) => said.push(line),
                 Err(_) => {
                     let _ = child.kill();
@@ -162,6 +177,22 @@ impl Sandbox {
                 s.send_to(b"x", dst).unwrap();
             }
         });
+    }
+
+    /// `n` datagrams from one client socket; its address.
+    fn send_from_one(&self, dst: SocketAddrV4, n: usize) -> SocketAddrV4 {
+        self.cluster.client.ns.run(|| {
+            // Unconnected: the endpoint's port unreachable does not fail
+            // the next send.
+            let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+            for _ in 0..n {
+                s.send_to(b"x", dst).unwrap();
+            }
+            SocketAddrV4::new(
+                dataplane_tests::cluster::CLIENT_IP,
+                s.local_addr().unwrap().port(),
+            )
+        })
     }
 
     /// Packets node1's datapath counted under `event` (every hook).
@@ -381,4 +412,101 @@ fn a_monitor_keeps_following_across_an_agent_restart() {
         "{said}\n{}",
         s.agent.log_text()
     );
+}
+
+/// `--type trace`: every translated packet (`--sample 1`) shows up with
+/// its addresses as node1 received it and as it left the hook, the
+/// Service and the event (a new flow, then the flow's next packets);
+/// drops are not in that stream; a sample of one in 2^32 shows nothing;
+/// and a reader killed without releasing its lease stops the kernel's
+/// sampling once the lease runs out.
+#[test]
+fn trace_events_show_translated_packets_before_and_after() {
+    let s = Sandbox::new();
+    let b = s.cluster.pod("b").ip;
+    let frontend = s.node_port(OPEN);
+    let m = s.monitor(&["--type", "trace", "--seconds", "3"]);
+    let client = s.send_from_one(frontend, 3);
+    s.send(s.node_port(EMPTY), 2);
+    let (lines, said) = m.lines();
+    // The endpoint answers each datagram with a port unreachable, which
+    // node1 translates back too (`icmp_error_translated`): the UDP
+    // packets' events are looked at here.
+    let udp = |egress: bool| -> Vec<&Value> {
+        events(&lines)
+            .into_iter()
+            .filter(|e| e["proto"] == "UDP" && (e["hook"] == "tc_egress") == egress)
+            .collect()
+    };
+    let ingress = udp(false);
+    let reasons: Vec<&str> = ingress.iter().map(|e| e["reason"].as_str().unwrap()).collect();
+    assert_eq!(
+        reasons,
+        ["new_flow", "established", "established"],
+        "{lines:?} {said}"
+    );
+    for e in &ingress {
+        assert_eq!(e["type"], "trace", "{e}");
+        assert_eq!(e["source"], client.to_string(), "{e}");
+        assert_eq!(e["destination"], frontend.to_string(), "{e}");
+        assert_eq!(e["after"]["destination"], format!("{b}:5353"), "{e}");
+        assert_eq!(e["service"], "default/open:p", "{e}");
+    }
+    // The same flow leaving towards node2: masqueraded (eTP=Cluster).
+    let egress = udp(true);
+    assert_eq!(egress.len(), 3, "{lines:?} {said}");
+    for e in &egress {
+        assert_eq!(e["source"], client.to_string(), "{e}");
+        assert_eq!(e["destination"], format!("{b}:5353"), "{e}");
+        let after_src = e["after"]["source"].as_str().unwrap();
+        assert!(
+            after_src.starts_with(&format!("{}:", s.cluster.nodes[0].ip())),
+            "masqueraded to node1's address: {e}"
+        );
+    }
+
+    // One packet in 2^32 - 1: nothing in 20.
+    let m = s.monitor(&[
+        "--type",
+        "trace",
+        "--sample",
+        &u32::MAX.to_string(),
+        "--seconds",
+        "2",
+    ]);
+    s.send(frontend, 20);
+    let (lines, said) = m.lines();
+    assert!(events(&lines).is_empty(), "{lines:?} {said}");
+
+    // A reader killed with its lease held: once the lease has run out, the
+    // first packet makes the kernel stop sampling.
+    let mut m = s.monitor(&["--type", "trace"]);
+    // SAFETY: a signal to our own child.
+    assert_eq!(unsafe { libc::kill(m.child.id() as i32, libc::SIGKILL) }, 0);
+    let _ = m.child.wait();
+    let ctl = || -> dataplane_common::monitor::MonitorCtl {
+        let data = aya::maps::MapData::from_pin(
+            s.cluster
+                .bpffs
+                .path()
+                .join(&s.cluster.nodes[0].name)
+                .join("maps")
+                .join(dataplane_common::names::MONITOR_CTL),
+        )
+        .expect("the pinned control");
+        let map = aya::maps::Array::try_from(aya::maps::Map::Array(data)).unwrap();
+        map.get(&0, 0).unwrap()
+    };
+    assert_eq!(ctl().sample, 1, "the killed reader's request is still there");
+    let deadline = std::time::Instant::now()
+        + Duration::from_nanos(dataplane_common::monitor::LEASE_NS)
+        + Duration::from_secs(10);
+    while ctl().sample != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the kernel kept sampling for a reader long gone"
+        );
+        s.send(frontend, 1);
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }

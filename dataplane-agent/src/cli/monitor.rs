@@ -1,5 +1,6 @@
 //! `dataplane-agent monitor`: the packets a running node's datapath drops
-//! or rejects, live, from its pinned ring buffer (see
+//! or rejects, and on request samples of those it translates (before and
+//! after), live, from its pinned ring buffer (see
 //! `dataplane_common::monitor`). The kernel writes events only while a
 //! reader renews its lease in `DP_MONITOR_CTL_V1`, at most `--rate` a
 //! second per CPU; the events it had to leave out are counted and shown.
@@ -18,7 +19,7 @@ use std::{
 use anyhow::Context as _;
 use aya::maps::{Array, Map, MapData, PerCpuArray, RingBuf};
 use dataplane_common::{
-    monitor::{DEFAULT_RATE, LEASE_NS, MonitorCtl, MonitorEvent, MonitorRate},
+    monitor::{self as events, DEFAULT_RATE, LEASE_NS, MonitorCtl, MonitorEvent, MonitorRate, MonitorTrace},
     names,
     stats::{Event, Hook},
 };
@@ -38,9 +39,15 @@ pub struct MonitorArgs {
     /// in docs/inspect.md).
     #[arg(short = 'o', long, default_value = "text")]
     pub output: String,
-    /// Only drops, or only rejects (ICMP unreachable answered).
-    #[arg(long = "type")]
-    pub kind: Option<Kind>,
+    /// Which events: drops, rejects (ICMP unreachable answered), trace
+    /// (translated packets, before and after, sampled: see --sample).
+    /// Repeat or separate with commas; drops and rejects when not given.
+    #[arg(long = "type", value_delimiter = ',')]
+    pub kinds: Vec<Kind>,
+    /// With `--type trace`: one translated packet in this many (drawn at
+    /// random, per packet) is traced; the rate limit applies on top.
+    #[arg(long, default_value_t = 1)]
+    pub sample: u32,
     /// Only packets to this Service's frontends (NAMESPACE/NAME).
     #[arg(long)]
     pub service: Option<String>,
@@ -69,16 +76,73 @@ pub struct MonitorArgs {
 pub enum Kind {
     Drop,
     Reject,
+    Trace,
 }
 
 impl Kind {
     fn of(event: Event) -> Self {
-        if event.is_drop() { Kind::Drop } else { Kind::Reject }
+        if events::traced(event as u32) {
+            Kind::Trace
+        } else if event.is_drop() {
+            Kind::Drop
+        } else {
+            Kind::Reject
+        }
     }
     fn as_str(self) -> &'static str {
         match self {
             Kind::Drop => "drop",
             Kind::Reject => "reject",
+            Kind::Trace => "trace",
+        }
+    }
+}
+
+/// A record of the ring: a dropped or rejected packet, or a translated
+/// one's trace (before and after).
+enum Record {
+    Event(MonitorEvent),
+    Trace(Box<MonitorTrace>),
+}
+
+impl Record {
+    /// The record in `item` (the kernel's bytes), `None` when it is too
+    /// short for what its event says it is.
+    fn parse(item: &[u8]) -> Option<Self> {
+        if item.len() < std::mem::size_of::<MonitorEvent>() {
+            return None;
+        }
+        // SAFETY: at least a MonitorEvent's bytes (checked), read unaligned.
+        let ev: MonitorEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+        if !events::traced(ev.event as u32) {
+            return Some(Self::Event(ev));
+        }
+        if item.len() < std::mem::size_of::<MonitorTrace>() {
+            return None;
+        }
+        // SAFETY: as above, a MonitorTrace's bytes.
+        Some(Self::Trace(Box::new(unsafe {
+            std::ptr::read_unaligned(item.as_ptr().cast())
+        })))
+    }
+
+    /// The packet as the hook received it.
+    fn head(&self) -> &MonitorEvent {
+        match self {
+            Self::Event(e) => e,
+            Self::Trace(t) => &t.before,
+        }
+    }
+
+    /// A translated packet's first bytes as the hook let it go, and its
+    /// length.
+    fn after(&self) -> Option<(&[u8], u32)> {
+        match self {
+            Self::Event(_) => None,
+            Self::Trace(t) => Some((
+                &t.after[..(t.after_captured as usize).min(t.after.len())],
+                t.after_len,
+            )),
         }
     }
 }
@@ -198,7 +262,16 @@ impl Services {
 
     /// The Service (id, name) whose frontend `h` is addressed to.
     fn of(&mut self, h: &Headers) -> Option<(u32, &crate::state::table::ServicePortName)> {
-        let key = (h.dst, h.dport, h.proto);
+        self.frontend((h.dst, h.dport, h.proto))
+    }
+
+    /// The Service whose frontend `h` comes from (a reply given the
+    /// frontend's address back).
+    fn of_source(&mut self, h: &Headers) -> Option<(u32, &crate::state::table::ServicePortName)> {
+        self.frontend((h.src, h.sport, h.proto))
+    }
+
+    fn frontend(&mut self, key: (IpAddr, u16, u8)) -> Option<(u32, &crate::state::table::ServicePortName)> {
         if !self.frontends.contains_key(&key) {
             self.load();
         }
@@ -271,6 +344,22 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
     if args.rate == 0 {
         anyhow::bail!("--rate 0: nothing would be shown");
     }
+    let kinds = if args.kinds.is_empty() {
+        vec![Kind::Drop, Kind::Reject]
+    } else {
+        args.kinds.clone()
+    };
+    let trace = kinds.contains(&Kind::Trace);
+    if trace && args.sample == 0 {
+        anyhow::bail!("--sample 0: expected one packet in N, N at least 1");
+    }
+    let filter = Filter {
+        kinds,
+        service,
+        address: args.address,
+        port: args.port,
+        proto,
+    };
     let pins = PinDir::open(&args.bpffs_dir)
         .with_context(|| format!("opening the pin directory {}", args.bpffs_dir.display()))?;
     let open_ctl = || -> anyhow::Result<Array<MapData, MonitorCtl>> {
@@ -323,13 +412,24 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
             let lease = MonitorCtl {
                 until_ns: monotonic_ns() + LEASE_NS,
                 rate: args.rate,
-                _pad: 0,
+                sample: if trace { args.sample } else { 0 },
             };
             ctl.set(0, lease, 0).context("renewing the monitor lease")?;
             if !announced {
                 announced = true;
+                let what = filter
+                    .kinds
+                    .iter()
+                    .map(|k| k.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let sampled = if trace {
+                    format!(", trace one translated packet in {}", args.sample)
+                } else {
+                    String::new()
+                };
                 eprintln!(
-                    "following the drops and rejects of {} (at most {}/s per CPU)",
+                    "following the events ({what}) of {} (at most {}/s per CPU{sampled})",
                     args.bpffs_dir.display(),
                     args.rate
                 );
@@ -353,18 +453,15 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
         // At most a ring's worth before the lease is looked at again.
         for _ in 0..2048 {
             let Some(item) = ring.next() else { break };
-            if item.len() < std::mem::size_of::<MonitorEvent>() {
-                continue;
-            }
-            // SAFETY: a record of the kernel's MonitorEvent (size checked),
-            // read unaligned.
-            let ev: MonitorEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+            let rec = Record::parse(&item);
             drop(item);
             // Left in the ring before this reader came (for an earlier one).
-            if ev.ts_ns < started_ns || done(&out) {
+            let Some(rec) = rec.filter(|r| r.head().ts_ns >= started_ns) else {
                 continue;
-            }
-            if let Some(line) = render(&ev, args, proto, service, &mut services, wall_offset, json) {
+            };
+            if !done(&out)
+                && let Some(line) = render(&rec, &filter, &mut services, wall_offset, json)
+            {
                 out.line(&line)?;
             }
         }
@@ -374,14 +471,11 @@ pub fn run(args: &MonitorArgs) -> anyhow::Result<()> {
     // then is shown or counted.
     let _ = ctl.set(0, MonitorCtl::default(), 0);
     while let Some(item) = ring.next() {
-        if item.len() < std::mem::size_of::<MonitorEvent>() || done(&out) {
-            continue;
-        }
-        // SAFETY: as above.
-        let ev: MonitorEvent = unsafe { std::ptr::read_unaligned(item.as_ptr().cast()) };
+        let rec = Record::parse(&item);
         drop(item);
-        if ev.ts_ns >= started_ns
-            && let Some(line) = render(&ev, args, proto, service, &mut services, wall_offset, json)
+        if let Some(rec) = rec.filter(|r| r.head().ts_ns >= started_ns)
+            && !done(&out)
+            && let Some(line) = render(&rec, &filter, &mut services, wall_offset, json)
         {
             out.line(&line)?;
         }
@@ -433,44 +527,73 @@ impl Output {
     }
 }
 
-/// The event's line, or `None` when a filter leaves it out.
-fn render(
-    ev: &MonitorEvent,
-    args: &MonitorArgs,
+/// What to show.
+struct Filter<'a> {
+    kinds: Vec<Kind>,
+    service: Option<(&'a str, &'a str)>,
+    address: Option<IpAddr>,
+    port: Option<u16>,
     proto: Option<u8>,
-    service: Option<(&str, &str)>,
+}
+
+impl Filter<'_> {
+    /// Whether packet headers (of a trace: either of its two) pass the
+    /// address, port and protocol filters.
+    fn headers(&self, hs: &[Option<Headers>]) -> bool {
+        let any = |f: &dyn Fn(&Headers) -> bool| hs.iter().flatten().any(f);
+        self.address.is_none_or(|a| any(&|h| h.src == a || h.dst == a))
+            && self.port.is_none_or(|p| any(&|h| h.sport == p || h.dport == p))
+            && self.proto.is_none_or(|p| any(&|h| h.proto == p))
+    }
+}
+
+/// A packet's protocol and two ends as text: TCP, UDP and SCTP by name,
+/// with ports (when the capture has them); any other protocol by number,
+/// addresses alone.
+fn ends(h: &Headers) -> (Value, String, String) {
+    let known = Protocol::from_number(h.proto);
+    let ported = known.is_some() && (h.sport, h.dport) != (0, 0);
+    let end = |a: IpAddr, p: u16| if ported { host_port(a, p) } else { a.to_string() };
+    (
+        known.map_or_else(|| json!(h.proto), |p| json!(p.as_str())),
+        end(h.src, h.sport),
+        end(h.dst, h.dport),
+    )
+}
+
+/// The record's line, or `None` when a filter leaves it out.
+fn render(
+    rec: &Record,
+    filter: &Filter,
     services: &mut Services,
     wall_offset: i128,
     json: bool,
 ) -> Option<String> {
+    let ev = rec.head();
     let event = *Event::ALL.get(ev.event as usize)?;
     let kind = Kind::of(event);
-    if args.kind.is_some_and(|k| k != kind) {
+    if !filter.kinds.contains(&kind) {
         return None;
     }
     let hook = Hook::ALL.into_iter().find(|h| *h as u8 == ev.hook)?;
-    let captured = &ev.data[..(ev.captured as usize).min(ev.data.len())];
-    let h = decode(captured);
-    if let Some(a) = args.address
-        && h.is_none_or(|h| h.src != a && h.dst != a)
-    {
+    let h = decode(&ev.data[..(ev.captured as usize).min(ev.data.len())]);
+    let after = rec.after().map(|(bytes, len)| (decode(bytes), len));
+    let after_h = after.and_then(|(h, _)| h);
+    if !filter.headers(&[h, after_h]) {
         return None;
     }
-    if let Some(p) = args.port
-        && h.is_none_or(|h| h.sport != p && h.dport != p)
-    {
-        return None;
-    }
-    if let Some(p) = proto
-        && h.is_none_or(|h| h.proto != p)
-    {
-        return None;
-    }
-    let svc = h
+    // The frontend is the destination as received, or the source a reply
+    // leaves with.
+    let mut svc = h
         .as_ref()
         .and_then(|h| services.of(h))
         .map(|(id, n)| (id, n.clone()));
-    if let Some((ns, name)) = service
+    if svc.is_none()
+        && let Some(a) = &after_h
+    {
+        svc = services.of_source(a).map(|(id, n)| (id, n.clone()));
+    }
+    if let Some((ns, name)) = filter.service
         && svc
             .as_ref()
             .is_none_or(|(_, n)| &*n.namespace != ns || &*n.name != name)
@@ -479,41 +602,47 @@ fn render(
     }
     let time = jiff::Timestamp::from_nanosecond(ev.ts_ns as i128 + wall_offset).ok()?;
     let device = device_name(ev.ifindex);
-    // TCP, UDP and SCTP by name, with ports (when the capture has them);
-    // any other protocol by number, addresses alone.
-    let ends = h.map(|h| {
-        let known = Protocol::from_number(h.proto);
-        let ported = known.is_some() && (h.sport, h.dport) != (0, 0);
-        let end = |a: IpAddr, p: u16| if ported { host_port(a, p) } else { a.to_string() };
-        (
-            known.map_or_else(|| json!(h.proto), |p| json!(p.as_str())),
-            end(h.src, h.sport),
-            end(h.dst, h.dport),
-        )
-    });
+    let ends_before = h.as_ref().map(ends);
+    let ends_after = after_h.as_ref().map(ends);
     if json {
-        let v: Value = json!({
+        let mut v: Value = json!({
             "time": time.to_string(),
             "type": kind.as_str(),
             "reason": event.name(),
             "hook": hook.name(),
             "device": device,
             "ifindex": ev.ifindex,
-            "proto": ends.as_ref().map(|e| e.0.clone()),
-            "source": ends.as_ref().map(|e| e.1.clone()),
-            "destination": ends.as_ref().map(|e| e.2.clone()),
+            "proto": ends_before.as_ref().map(|e| e.0.clone()),
+            "source": ends_before.as_ref().map(|e| e.1.clone()),
+            "destination": ends_before.as_ref().map(|e| e.2.clone()),
             "service": svc.as_ref().map(|(_, n)| n.to_string()),
             "serviceId": svc.as_ref().map(|(id, _)| id),
             "length": ev.len,
         });
+        if let Some((_, len)) = after {
+            v["after"] = json!({
+                "source": ends_after.as_ref().map(|e| e.1.clone()),
+                "destination": ends_after.as_ref().map(|e| e.2.clone()),
+                "length": len,
+            });
+        }
         return Some(v.to_string());
     }
-    let (p, s, d) = ends.map_or_else(
-        || ("?".into(), "?".into(), "?".into()),
-        |(p, s, d)| (p.as_str().map_or_else(|| p.to_string(), str::to_owned), s, d),
-    );
+    let text = |e: Option<(Value, String, String)>| {
+        e.map_or_else(
+            || ("?".into(), "?".into(), "?".into()),
+            |(p, s, d)| (p.as_str().map_or_else(|| p.to_string(), str::to_owned), s, d),
+        )
+    };
+    let (p, s, d) = text(ends_before);
+    let translated = if after.is_some() {
+        let (_, s, d) = text(ends_after);
+        format!(" => {s} -> {d}")
+    } else {
+        String::new()
+    };
     Some(format!(
-        "{}Z {:<14} {:<10} {:<28} {:<4} {} -> {} {}",
+        "{}Z {:<14} {:<10} {:<28} {:<4} {} -> {}{translated} {}",
         time.strftime("%H:%M:%S%.3f"),
         hook.name(),
         device,

@@ -145,6 +145,7 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         names::MONITOR_EVENTS => s(0, 0),
         names::MONITOR_CTL => s(4, size_of::<dataplane_common::monitor::MonitorCtl>()),
         names::MONITOR_RATE => s(4, size_of::<dataplane_common::monitor::MonitorRate>()),
+        names::MONITOR_SAMPLE => s(4, size_of::<dataplane_common::monitor::MonitorSample>()),
         _ => None,
     }
 }
