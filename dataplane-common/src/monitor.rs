@@ -6,8 +6,8 @@
 //! [`crate::names::MONITOR_RATE`]); the rest are counted as lost there.
 //!
 //! While a reader also asks for trace events ([`MonitorCtl::sample`]), one
-//! packet in `sample` has its first bytes kept as it enters a hook
-//! ([`MonitorSample`], per CPU) and, when the hook translated it
+//! packet in `sample` that gets past a hook's pre-filter has its first
+//! bytes kept before anything rewrites it ([`MonitorSample`], per CPU) and, when the hook translated it
 //! ([`traced`]), a [`MonitorTrace`] carries it before and after, through
 //! the same rate limit and ring.
 
@@ -80,12 +80,12 @@ crate::impl_pod!(MonitorEvent);
 #[repr(C, align(8))]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MonitorSample {
-    /// 1 from the hook's entry to its verdict when this packet is sampled.
-    pub armed: u32,
+    /// When the packet was sampled (CLOCK_MONOTONIC ns); 0 once reported,
+    /// or when the last packet was not sampled.
+    pub ts_ns: u64,
     /// Bytes of the packet, and of them in `data`.
     pub len: u32,
     pub captured: u32,
-    pub _pad: u32,
     pub data: [u8; CAPTURE],
 }
 crate::assert_layout!(MonitorSample, 16 + CAPTURE, 8);

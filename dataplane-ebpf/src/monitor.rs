@@ -2,9 +2,9 @@
 //!
 //! Drops and rejects are reported from the packet path's one exit, before
 //! anything rewrote the packet; one map read (is anyone listening?) when
-//! nobody is. Trace events of translated packets cost an array read at a
-//! hook's entry ([`start`]) and one at its verdict ([`finish`]) while
-//! nobody asks for them. Packets are copied
+//! nobody is. While nobody asks for trace events, a packet that passes the
+//! pre-filter costs nothing more; one that gets past it, an array read
+//! ([`start`]); a translated one, another at its verdict ([`finish`]). Packets are copied
 //! as they are, by one helper call each, and decoded by the reader:
 //! nothing to parse, small programs for the verifier to walk.
 
@@ -18,6 +18,10 @@ use crate::{
     ctx::Ctx,
     maps::{MONITOR_CTL, MONITOR_EVENTS, MONITOR_RATE, MONITOR_SAMPLE},
 };
+
+/// The longest a hook holds a packet: a sample older than that was left by
+/// a packet that was not translated (only those release it).
+const SAMPLE_AGE_NS: u64 = 1_000_000;
 
 /// Bytes of a packet of `len` to copy: 1..=CAPTURE, in a shape the
 /// verifier follows (a helper refuses 0).
@@ -121,11 +125,12 @@ pub fn report<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
     count(true);
 }
 
-/// At a hook's entry, while a reader asks for trace events: whether this
-/// packet is sampled (kept in [`MONITOR_SAMPLE`] until [`finish`]). One
-/// array read (inlined by the JIT) when nobody asks. The control is read
-/// again at the verdict rather than kept: the entry points' stacks and
-/// their subprograms' have no 8 bytes to spare.
+/// Once a packet is past the pre-filter, before anything rewrote it, while
+/// a reader asks for trace events: whether this packet is sampled (kept in
+/// [`MONITOR_SAMPLE`] until [`finish`]). One array read (inlined by the
+/// JIT) when nobody asks. The control is read again at the verdict rather
+/// than kept: the entry points' stacks and their subprograms' have no 8
+/// bytes to spare.
 #[inline(always)]
 pub fn start<C: Ctx>(ctx: &C) {
     if MONITOR_CTL.get(0).is_some_and(|c| c.sample != 0) {
@@ -133,7 +138,8 @@ pub fn start<C: Ctx>(ctx: &C) {
     }
 }
 
-/// At a hook's verdict: [`traced`] while a reader asks for trace events.
+/// At the verdict of a packet the hook translated: [`traced`] while a
+/// reader asks for trace events.
 #[inline(always)]
 pub fn finish<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
     if MONITOR_CTL.get(0).is_some_and(|c| c.sample != 0) {
@@ -149,7 +155,7 @@ fn sample<C: Ctx>(ctx: &C) {
     // SAFETY: `s` is this CPU's slot (no nesting on a CPU); `ctl` the
     // shared control, read and written a field at a time.
     unsafe {
-        (*s).armed = 0;
+        (*s).ts_ns = 0;
         let now = bpf_ktime_get_ns();
         if (*ctl).until_ns <= now {
             // The reader is gone without releasing its lease.
@@ -165,13 +171,14 @@ fn sample<C: Ctx>(ctx: &C) {
         let ok = len > 0 && ctx.load_bytes((&raw mut (*s).data).cast(), n);
         (*s).len = len;
         (*s).captured = if ok { n } else { 0 };
-        (*s).armed = 1;
+        (*s).ts_ns = now;
     }
 }
 
-/// At a hook's verdict, while trace events are asked for: a sampled packet
-/// counted under `event` is reported before and after when the hook
-/// translated it; the sample is released either way.
+/// At a translated packet's verdict, while trace events are asked for: if
+/// it was sampled, it is reported before and after, and the sample
+/// released. A sample left by an earlier packet (one that was not
+/// translated) is older than [`SAMPLE_AGE_NS`]: not this packet's.
 #[inline(never)]
 fn traced<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
     let (Some(ctl), Some(s)) = (MONITOR_CTL.get(0), MONITOR_SAMPLE.get_ptr_mut(0)) else {
@@ -179,16 +186,14 @@ fn traced<C: Ctx>(ctx: &C, hook: Hook, event: u32) {
     };
     // SAFETY: this CPU's slot, as in `sample`.
     let s = unsafe { &mut *s };
-    if s.armed == 0 {
+    let sampled = s.ts_ns;
+    if sampled == 0 {
         return;
     }
-    s.armed = 0;
-    if !dataplane_common::monitor::traced(event) {
-        return;
-    }
+    s.ts_ns = 0;
     // SAFETY: helper without arguments.
     let now = unsafe { bpf_ktime_get_ns() };
-    if ctl.until_ns <= now || !take_token(now, ctl.rate) {
+    if now.wrapping_sub(sampled) > SAMPLE_AGE_NS || ctl.until_ns <= now || !take_token(now, ctl.rate) {
         return;
     }
     let Some(mut entry) = MONITOR_EVENTS.reserve::<MonitorTrace>(0) else {

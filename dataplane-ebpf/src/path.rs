@@ -236,9 +236,12 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
     } else {
         verdict
     };
-    // A sampled packet, as it leaves the hook: to `monitor` readers of
-    // trace events.
-    crate::monitor::finish(ctx, hook, event);
+    // A translated packet, as it leaves the hook: to `monitor` readers of
+    // trace events if it was sampled (a bit test on a register for the
+    // others).
+    if dataplane_common::monitor::traced(event) {
+        crate::monitor::finish(ctx, hook, event);
+    }
     verdict
 }
 
@@ -269,10 +272,7 @@ fn unparsed<C: Ctx>(p: Parsed) -> Step {
 #[inline(always)]
 pub fn ingress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
     match config() {
-        Some(cfg) => {
-            crate::monitor::start(ctx);
-            finish(ctx, cfg, hook, ingress_inner(ctx, cfg), true)
-        }
+        Some(cfg) => finish(ctx, cfg, hook, ingress_inner(ctx, cfg), true),
         None => unconfigured(ctx, hook),
     }
 }
@@ -331,6 +331,9 @@ fn ingress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> S
 /// A packet the pre-filter let through.
 #[inline(never)]
 fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+    // Before anything rewrites the packet; past the pre-filter, which
+    // passes packets that are certainly not translated.
+    crate::monitor::start(ctx);
     let pkt = &match F::parse(ctx, l3) {
         Ok(p) => p,
         Err(other) => return unparsed::<C>(other),
@@ -521,10 +524,7 @@ fn dsr_new_flow<C: Ctx, F: Family>(cfg: &DpConfig, pkt: &Pkt<F::A>, choice: &Cho
 #[inline(always)]
 pub fn egress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
     match config() {
-        Some(cfg) => {
-            crate::monitor::start(ctx);
-            finish(ctx, cfg, hook, egress_inner(ctx, cfg), false)
-        }
+        Some(cfg) => finish(ctx, cfg, hook, egress_inner(ctx, cfg), false),
         None => unconfigured(ctx, hook),
     }
 }
@@ -593,6 +593,8 @@ fn egress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> St
 /// `Hint::ExplicitOnly`), so the hashed `REP_IN` entries cannot apply.
 #[inline(never)]
 fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit_only: bool) -> Step {
+    // As at ingress.
+    crate::monitor::start(ctx);
     let pkt = &match F::parse(ctx, l3) {
         Ok(p) => p,
         Err(other) => return unparsed::<C>(other),

@@ -55,15 +55,18 @@ enum Command {
     ///   dataplane-agent inspect --bpffs-dir /sys/fs/bpf/node1 stats
     #[command(verbatim_doc_comment)]
     Inspect(inspect::InspectArgs),
-    /// Follow the packets the running datapath drops or rejects, live: one
-    /// line (or JSON object) per packet, with the hook, the device, the
-    /// reason, the addresses and the Service. Read from the pinned ring
-    /// buffer; the kernel writes events only while someone follows them, at
-    /// most --rate a second per CPU (what it leaves out is counted).
+    /// Follow the packets the running datapath drops or rejects, live, and
+    /// with --type trace a sample of those it translates (before and
+    /// after): one line (or JSON object) per packet, with the hook, the
+    /// device, the reason, the addresses and the Service. Read from the
+    /// pinned ring buffer; the kernel writes events only while someone
+    /// follows them, at most --rate a second per CPU (what it leaves out is
+    /// counted).
     ///
     /// Examples:
     ///   dataplane-agent monitor
     ///   dataplane-agent monitor --type drop --service default/web -o json
+    ///   dataplane-agent monitor --type trace --sample 100 --port 30080
     ///   dataplane-agent monitor --bpffs-dir /sys/fs/bpf/node1 --address 203.0.113.7
     #[command(verbatim_doc_comment)]
     Monitor(monitor::MonitorArgs),

@@ -712,4 +712,82 @@ mod tests {
         assert_eq!(h.dst, "2001:db8::11".parse::<IpAddr>().unwrap());
         assert_eq!((h.sport, h.dport), (0, 0));
     }
+
+    /// A trace record (before and after), as the kernel writes it, from
+    /// bytes to a JSON line; filters look at both packets.
+    #[test]
+    fn a_trace_record_shows_both_packets_and_filters_on_either() {
+        let udp = |src: [u8; 4], dst: [u8; 4], sport: u16, dport: u16| {
+            let mut ip = vec![0x45, 0, 0, 28, 0, 0, 0, 0, 64, 17, 0, 0];
+            ip.extend_from_slice(&src);
+            ip.extend_from_slice(&dst);
+            ip.extend_from_slice(&sport.to_be_bytes());
+            ip.extend_from_slice(&dport.to_be_bytes());
+            ip.extend_from_slice(&[0, 8, 0, 0]);
+            frame(0x0800, &ip, &[])
+        };
+        let capture = |f: &[u8]| {
+            let mut d = [0u8; events::CAPTURE];
+            d[..f.len()].copy_from_slice(f);
+            d
+        };
+        let before = udp([198, 18, 0, 100], [198, 18, 0, 11], 40000, 30083);
+        let after = udp([198, 18, 0, 100], [10, 244, 2, 10], 40000, 5353);
+        let t = MonitorTrace {
+            before: MonitorEvent {
+                ts_ns: 1,
+                ifindex: 1,
+                hook: Hook::TcIngress as u8,
+                event: Event::NewFlow as u8,
+                captured: before.len() as u16,
+                len: before.len() as u32,
+                _pad: 0,
+                data: capture(&before),
+            },
+            after_len: after.len() as u32,
+            after_captured: after.len() as u16,
+            _pad: 0,
+            after: capture(&after),
+        };
+        // SAFETY: a plain-old-data record viewed as its bytes.
+        let bytes = unsafe {
+            std::slice::from_raw_parts((&raw const t).cast::<u8>(), std::mem::size_of::<MonitorTrace>())
+        };
+        // Cut short: not a trace (nor mistaken for a drop).
+        assert!(Record::parse(&bytes[..std::mem::size_of::<MonitorEvent>()]).is_none());
+        let rec = Record::parse(bytes).expect("a trace");
+        let mut services = Services {
+            dir: PathBuf::from("/nonexistent"),
+            frontends: HashMap::new(),
+            names: HashMap::new(),
+            loaded: Some(Instant::now()),
+        };
+        let filter = |kinds: Vec<Kind>, address: Option<&str>| Filter {
+            kinds,
+            service: None,
+            address: address.map(|a| a.parse().unwrap()),
+            port: None,
+            proto: None,
+        };
+        let line = render(&rec, &filter(vec![Kind::Trace], None), &mut services, 0, true).unwrap();
+        let v: Value = serde_json::from_str(&line).unwrap();
+        assert_eq!(v["type"], "trace");
+        assert_eq!(v["reason"], "new_flow");
+        assert_eq!(v["destination"], "198.18.0.11:30083");
+        assert_eq!(v["after"]["destination"], "10.244.2.10:5353");
+        assert_eq!(v["after"]["source"], "198.18.0.100:40000");
+        // The backend's address is only in the packet after: it matches.
+        let by_backend = filter(vec![Kind::Trace], Some("10.244.2.10"));
+        assert!(render(&rec, &by_backend, &mut services, 0, true).is_some());
+        let elsewhere = filter(vec![Kind::Trace], Some("10.244.9.9"));
+        assert!(render(&rec, &elsewhere, &mut services, 0, true).is_none());
+        // Not asked for: left out.
+        let drops = filter(vec![Kind::Drop, Kind::Reject], None);
+        assert!(render(&rec, &drops, &mut services, 0, true).is_none());
+        let text = render(&rec, &filter(vec![Kind::Trace], None), &mut services, 0, false).unwrap();
+        assert!(
+            text.contains("198.18.0.100:40000 -> 198.18.0.11:30083 => 198.18.0.100:40000 -> 10.244.2.10:5353"),
+            "{text}"
+        );
+    }
 }
