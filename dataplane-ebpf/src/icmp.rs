@@ -174,19 +174,27 @@ fn icmp6_checksum(f: &[u8; REJECT6_LEN]) -> u16 {
 /// An ICMP error (destination unreachable including "too big", time
 /// exceeded, parameter problem) quoting a packet of a translated flow, seen
 /// by any hook: rewrites the quote to the packet as its sender sent it, and
-/// the outer destination to that sender. Anything else passes untouched.
+/// the outer destination to that sender; at egress (`!ingress`), the outer
+/// source to the address that sender addressed ([`restore_source`]), as
+/// netfilter's NAT does in PREROUTING and POSTROUTING. Anything else
+/// passes untouched.
 #[inline(always)]
 pub fn translate_error<C: Ctx, F: Family>(
     ctx: &C,
     cfg: &DpConfig,
     l3: usize,
     l4: usize,
+    ingress: bool,
 ) -> (C::Verdict, Event) {
-    match translate::<C, F>(ctx, cfg, l3, l4, ct::now()) {
+    let out = match translate::<C, F>(ctx, cfg, l3, l4, ct::now()) {
         Some(true) => (C::PASS, Event::IcmpErrorTranslated),
         Some(false) => (C::PASS, Event::Pass),
-        None => (C::PASS, Event::Malformed),
+        None => return (C::PASS, Event::Malformed),
+    };
+    if !ingress && restore_source::<C, F>(ctx, cfg, l3, l4) == Some(true) {
+        return (C::PASS, Event::IcmpErrorTranslated);
     }
+    out
 }
 
 /// The entry that tells how to rewrite a quoted packet `q`, and whether the
@@ -309,12 +317,12 @@ fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, n
         }
         (inner + ip::HLEN, p)
     } else {
-        let [vtc, _]: [u8; 2] = load(ctx, inner)?;
-        let [p, _hop]: [u8; 2] = load(ctx, inner + ip6::NEXT_HDR)?;
-        if vtc >> 4 != 6 {
+        // Version, ..., next header in one load (the stack is tight).
+        let h: [u8; 8] = load(ctx, inner)?;
+        if h[0] >> 4 != 6 {
             return Some(false);
         }
-        (inner + ip6::HLEN, p)
+        (inner + ip6::HLEN, h[ip6::NEXT_HDR])
     };
     // (An SCTP quote's CRC32c lies beyond the 8 bytes quoted at least, and
     // covers the whole packet, which a quote rarely holds: it is left as it
@@ -390,7 +398,9 @@ fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, n
     ctx.store(inner_l4, &[n.sport, n.dport])?;
     ctx.store(l4 + l4::ICMP_CHECK, &csum::apply(icmp_check, icmp_diff))?;
     if outer_changes {
-        // The outer source stays: an endpoint accepts an error from any hop.
+        // The outer source is egress's (`restore_source`): at ingress the
+        // frontend may be a local address, which routing would refuse as
+        // a martian source.
         ctx.store(l3 + F::DADDR, &new_outer)?;
         if F::IP_CHECKSUM {
             let outer_check: u16 = load(ctx, l3 + ip::CHECK)?;
@@ -399,6 +409,63 @@ fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, n
                 &csum::apply(outer_check, outer.csum_diff(&new_outer)),
             )?;
         }
+    }
+    Some(true)
+}
+
+/// Egress (POSTROUTING's half of `nf_nat_icmp_reply_translation`): an ICMP
+/// error whose quote is now a flow's packet as its sender sent it (the key
+/// of its `FWD_IN`: client → frontend; or of its `REP_IN`: backend → node :
+/// SNAT port) and which goes to that sender leaves from the address the
+/// sender addressed (the frontend, the node's SNAT address).
+#[inline(never)]
+fn restore_source<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize) -> Option<bool> {
+    let [icmp_type, _code]: [u8; 2] = load(ctx, l4)?;
+    if !is_error::<F>(icmp_type) {
+        return Some(false);
+    }
+    let inner = l4 + l4::ICMP_HLEN;
+    let (inner_l4, inner_proto) = if F::IP_CHECKSUM {
+        let [vihl, _tos]: [u8; 2] = load(ctx, inner)?;
+        let [_ttl, p]: [u8; 2] = load(ctx, inner + ip::TTL)?;
+        if vihl != 0x45 {
+            return Some(false);
+        }
+        (inner + ip::HLEN, p)
+    } else {
+        // Version, ..., next header in one load (the stack is tight).
+        let h: [u8; 8] = load(ctx, inner)?;
+        if h[0] >> 4 != 6 {
+            return Some(false);
+        }
+        (inner + ip6::HLEN, h[ip6::NEXT_HDR])
+    };
+    if !(inner_proto == proto::TCP || inner_proto == proto::UDP || inner_proto == proto::SCTP) {
+        return Some(false);
+    }
+    let saddr: F::A = load(ctx, inner + F::SADDR)?;
+    let daddr: F::A = load(ctx, inner + F::DADDR)?;
+    let ports: [u16; 2] = load(ctx, inner_l4)?;
+    let q = CtKey::new(saddr, daddr, ports[0], ports[1], inner_proto);
+    let e = ct::lookup::<F>(cfg, &q, ct::now())?;
+    // SAFETY: a map value pointer; fields copied.
+    let (role, flags) = unsafe { ((*e).role(), (*e).flags) };
+    if !((role == ct_flags::FWD_IN && flags & ct_flags::DSR == 0) || role == ct_flags::REP_IN) {
+        return Some(false);
+    }
+    let outer_src: F::A = load(ctx, l3 + F::SADDR)?;
+    let outer_dst: F::A = load(ctx, l3 + F::DADDR)?;
+    if outer_dst != q.saddr || outer_src == q.daddr {
+        return Some(false);
+    }
+    let diff = outer_src.csum_diff(&q.daddr);
+    ctx.store(l3 + F::SADDR, &q.daddr)?;
+    if F::IP_CHECKSUM {
+        let c: u16 = load(ctx, l3 + ip::CHECK)?;
+        ctx.store(l3 + ip::CHECK, &csum::apply(c, diff))?;
+    } else {
+        let c: u16 = load(ctx, l4 + l4::ICMP_CHECK)?;
+        ctx.store(l4 + l4::ICMP_CHECK, &csum::apply(c, diff))?;
     }
     Some(true)
 }

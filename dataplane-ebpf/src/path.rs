@@ -172,9 +172,9 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
         }
         ICMP_ERROR => {
             let (v, e) = if step.v6() {
-                icmp::translate_error::<C, V6>(ctx, cfg, step.l3(), step.l4())
+                icmp::translate_error::<C, V6>(ctx, cfg, step.l3(), step.l4(), ingress)
             } else {
-                icmp::translate_error::<C, V4>(ctx, cfg, step.l3(), step.l4())
+                icmp::translate_error::<C, V4>(ctx, cfg, step.l3(), step.l4(), ingress)
             };
             (v, e as u32)
         }

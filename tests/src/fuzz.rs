@@ -1113,8 +1113,10 @@ fn check_icmp(
     iv: &View,
     ov: &View,
 ) -> Result<(), String> {
-    if ov.src != iv.src {
-        return Err("an ICMP error's outer source changed".into());
+    // Ingress leaves the outer source alone; egress may set it (checked
+    // below, once the quote is known).
+    if ov.src != iv.src && p.side == Side::Ingress {
+        return Err("an ICMP error's outer source changed at ingress".into());
     }
     let (l3, l4, v6) = (iv.l3, iv.l4, iv.v6);
     let errors: &[u8] = if v6 { &[1, 2, 3, 4] } else { &[3, 11, 12] };
@@ -1152,9 +1154,9 @@ fn check_icmp(
                 || qcheck.contains(&i)
                 || (l4 + 2..l4 + 4).contains(&i)
                 || if v6 {
-                    (l3 + 24..l3 + 40).contains(&i)
+                    (l3 + 8..l3 + 40).contains(&i)
                 } else {
-                    (l3 + 16..l3 + 20).contains(&i)
+                    (l3 + 12..l3 + 20).contains(&i)
                         || (l3 + 10..l3 + 12).contains(&i)
                         || (q + 10..q + 12).contains(&i)
                 })
@@ -1204,6 +1206,16 @@ fn check_icmp(
         return Err(format!(
             "ICMP error sent to {}, not to the quoted packet's sender {}",
             ov.dst,
+            qs.ip()
+        ));
+    }
+    // Egress (POSTROUTING's half of netfilter's translation): an error to
+    // the quoted packet's sender leaves from the address it sent to.
+    if ov.src != iv.src && (ov.src != qd.ip() || ov.dst != qs.ip()) {
+        return Err(format!(
+            "an ICMP error's outer source set to {}, not the quoted destination {} of its sender {}",
+            ov.src,
+            qd.ip(),
             qs.ip()
         ));
     }

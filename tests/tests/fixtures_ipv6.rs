@@ -426,7 +426,9 @@ fn a_closed_ipv6_connection_s_tuple_reopens() {
 
 /// ICMPv6 errors about translated flows reach the endpoint whose packet
 /// they quote, quoting it as that endpoint sent it: path MTU discovery
-/// through IPv6 Services ("packet too big") both ways.
+/// through IPv6 Services ("packet too big") both ways; they leave from the
+/// address the endpoint sent to (`tc_egress`, the ICMPv6 checksum covering
+/// it).
 #[test]
 fn icmpv6_errors_about_translated_flows_reach_their_sender() {
     for p in [XDP, TC] {
@@ -465,6 +467,17 @@ fn icmpv6_errors_about_translated_flows_reach_their_sender() {
         assert_eq!(v, p.pass);
         parse_and_verify(&out);
         assert_eq!(out, padded(&want), "{}: a padded error", p.program);
+        let (_, out) = tc(names::TC_EGRESS, &want);
+        parse_and_verify(&out);
+        let from_frontend = icmp6_error(
+            NODE,
+            CLIENT,
+            2,
+            0,
+            1400,
+            &Frame::tcp(client, sa(NODE, 30080), TCP_ACK).build(),
+        );
+        assert_eq!(out, from_frontend, "{}: the outer source at egress", p.program);
 
         // 2. A router on the client's side: an error about a reply goes to
         //    the backend, about what it sent (to the SNAT address).
@@ -482,6 +495,21 @@ fn icmpv6_errors_about_translated_flows_reach_their_sender() {
         assert_eq!(v, p.pass);
         parse_and_verify(&out);
         assert_eq!(out, want, "{}: error about a reply", p.program);
+        let (_, out) = tc(names::TC_EGRESS, &want);
+        parse_and_verify(&out);
+        // Out to the backend: from the SNAT address it replied to.
+        let std::net::IpAddr::V6(snat_ip) = snat.ip() else {
+            panic!("{snat}")
+        };
+        let from_snat = icmp6_error(
+            snat_ip,
+            REMOTE_POD,
+            2,
+            0,
+            1280,
+            &Frame::tcp(sa(REMOTE_POD, 8080), snat, TCP_ACK).build(),
+        );
+        assert_eq!(out, from_snat, "{}: error about a reply, at egress", p.program);
 
         // 3. A local backend of an eTP=Local UDP external IP answers
         //    port-unreachable: the client learns about the address it tried.

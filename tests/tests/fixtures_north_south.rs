@@ -585,6 +585,9 @@ fn udp_flows_to_a_backend_can_be_purged() {
 /// see them: `xdp_ingress`/`tc_ingress` (errors from beyond the node, both
 /// ways), `tc_pod_ingress` (a local backend's error) and `tc_egress` (the
 /// node's own, e.g. "fragmentation needed" when a pod's MTU is smaller).
+/// As with netfilter's NAT, they leave from the address the endpoint sent
+/// to (`tc_egress`, POSTROUTING's half): the client never sees a backend's
+/// or a router's address, whoever answered.
 #[test]
 fn icmp_errors_about_translated_flows_reach_their_sender() {
     use dataplane_common::names;
@@ -634,6 +637,21 @@ fn icmp_errors_about_translated_flows_reach_their_sender() {
         assert_eq!(v, p.pass);
         parse_and_verify(&out);
         assert_eq!(out, padded(&want), "{}: a padded error", p.program);
+        // On its way out to the client (POSTROUTING's half): from the
+        // address the client sent to, as netfilter's NAT makes it.
+        let (v, out) = tc(names::TC_EGRESS, &want);
+        assert_eq!(v, 0, "TC_ACT_OK");
+        parse_and_verify(&out);
+        let from_frontend = icmp_error(
+            NODE,
+            CLIENT,
+            3,
+            4,
+            1400,
+            &Frame::tcp(client, sa(NODE, 30080), TCP_ACK).build(),
+        );
+        assert_eq!(out, from_frontend, "{}: the outer source at egress", p.program);
+        assert_eq!(translated(), before + 3);
 
         // 2. A router on the client's side cannot forward a reply: to the
         //    backend, about what it sent (to the node's SNAT address).
@@ -651,6 +669,19 @@ fn icmp_errors_about_translated_flows_reach_their_sender() {
         assert_eq!(v, p.pass);
         parse_and_verify(&out);
         assert_eq!(out, want, "{}: error about a reply", p.program);
+        // Out to the backend: from the node's SNAT address, where the
+        // backend sent its reply.
+        let (_, out) = tc(names::TC_EGRESS, &want);
+        parse_and_verify(&out);
+        let from_snat = icmp_error(
+            NODE,
+            REMOTE_POD,
+            3,
+            4,
+            1280,
+            &Frame::tcp(sa(REMOTE_POD, 8080), snat, TCP_ACK).build(),
+        );
+        assert_eq!(out, from_snat, "{}: error about a reply, at egress", p.program);
 
         // 3. A local backend of an eTP=Local UDP external IP answers
         //    port-unreachable: the client learns about the address it tried.
@@ -677,6 +708,18 @@ fn icmp_errors_about_translated_flows_reach_their_sender() {
         assert_eq!(v, 0, "TC_ACT_OK");
         parse_and_verify(&out);
         assert_eq!(out, want, "a local backend's error (UDP quote checksum too)");
+        // Out to the client: from the external IP it tried.
+        let (_, out) = tc(names::TC_EGRESS, &want);
+        parse_and_verify(&out);
+        let from_frontend = icmp_error(
+            EXT_UDP,
+            CLIENT,
+            3,
+            3,
+            0,
+            &Frame::udp(client2, sa(EXT_UDP, 53)).build(),
+        );
+        assert_eq!(out, from_frontend, "a local backend's error, at egress");
 
         // 4. The node cannot forward a client's packet into a local pod
         //    (smaller MTU): its own error leaves through tc_egress.
@@ -691,8 +734,10 @@ fn icmp_errors_about_translated_flows_reach_their_sender() {
             1450,
             &Frame::tcp(client3, sa(LOCAL_POD, 8080), TCP_ACK).build(),
         );
+        // From the address the client sent to (netfilter: the node's
+        // error is related to the flow, and POSTROUTING sets its source).
         let want = icmp_error(
-            NODE,
+            LB_LOCAL,
             CLIENT,
             3,
             4,

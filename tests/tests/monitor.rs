@@ -15,7 +15,7 @@ use std::{
 
 use dataplane_tests::{
     agent::{AgentProcess, HEALTH_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
-    cluster::Cluster,
+    cluster::{CLIENT_IP, Cluster},
 };
 use serde_json::Value;
 
@@ -463,6 +463,26 @@ fn trace_events_show_translated_packets_before_and_after() {
             after_src.starts_with(&format!("{}:", s.cluster.nodes[0].ip())),
             "masqueraded to node1's address: {e}"
         );
+    }
+
+    // The endpoint's port unreachable, back to the client through node1:
+    // at ingress to the client (and the quote restored), at egress from
+    // the frontend's address, as netfilter's NAT sends it: the client
+    // never sees the pod's address.
+    let icmp: Vec<&Value> = events(&lines)
+        .into_iter()
+        .filter(|e| e["reason"] == "icmp_error_translated")
+        .collect();
+    let leaving: Vec<&Value> = icmp
+        .iter()
+        .copied()
+        .filter(|e| e["hook"] == "tc_egress")
+        .collect();
+    assert!(!leaving.is_empty(), "{icmp:?}");
+    for e in &leaving {
+        assert_eq!(e["source"], b.to_string(), "{e}");
+        assert_eq!(e["after"]["source"], s.cluster.nodes[0].ip().to_string(), "{e}");
+        assert_eq!(e["after"]["destination"], CLIENT_IP.to_string(), "{e}");
     }
 
     // One packet in 2^32 - 1: nothing in 20.

@@ -786,7 +786,9 @@ mod tests {
         assert!(render(&rec, &drops, &mut services, 0, true).is_none());
         let text = render(&rec, &filter(vec![Kind::Trace], None), &mut services, 0, false).unwrap();
         assert!(
-            text.contains("198.18.0.100:40000 -> 198.18.0.11:30083 => 198.18.0.100:40000 -> 10.244.2.10:5353"),
+            text.contains(
+                "198.18.0.100:40000 -> 198.18.0.11:30083 => 198.18.0.100:40000 -> 10.244.2.10:5353"
+            ),
             "{text}"
         );
     }
