@@ -11,6 +11,8 @@
 //! ([`traced`]), a [`MonitorTrace`] carries it before and after, through
 //! the same rate limit and ring.
 
+use crate::stats::{Event, EventKind};
+
 /// Written by the reader ([`crate::names::MONITOR_CTL`], one entry).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -107,19 +109,13 @@ crate::assert_layout!(MonitorTrace, 24 + CAPTURE + 8 + CAPTURE, 8);
 crate::impl_pod!(MonitorTrace);
 
 /// Whether a packet counted under `event` is a translation a trace event
-/// reports (a forwarded packet the hook rewrote).
+/// reports (a packet the hook rewrote: [`EventKind::Translate`]).
 #[inline(always)]
 pub const fn traced(event: u32) -> bool {
     event < 32 && TRACED & (1 << event) != 0
 }
 
-const TRACED: u32 = {
-    use crate::stats::Event;
-    1 << Event::NewFlow as u32
-        | 1 << Event::Established as u32
-        | 1 << Event::Reply as u32
-        | 1 << Event::IcmpErrorTranslated as u32
-};
+const TRACED: u32 = kinds(&[EventKind::Translate]);
 
 /// Default [`MonitorCtl::rate`].
 pub const DEFAULT_RATE: u32 = 1000;
@@ -137,20 +133,22 @@ pub const fn reported(event: u32) -> bool {
     event < 32 && REPORTED & (1 << event) != 0
 }
 
-const REPORTED: u32 = {
-    use crate::stats::Event;
+const REPORTED: u32 = kinds(&[EventKind::Drop, EventKind::Reject]);
+
+/// The bitmask of the events of these kinds.
+const fn kinds(of: &[EventKind]) -> u32 {
     let mut m = 0u32;
     let mut i = 0;
     while i < Event::ALL.len() {
         let e = Event::ALL[i];
-        let reject = matches!(
-            e,
-            Event::RejectNoEndpoints | Event::RejectUnknownPort | Event::RejectTooBig
-        );
-        if e.is_drop() || reject {
-            m |= 1 << e as u32;
+        let mut k = 0;
+        while k < of.len() {
+            if e.kind() as u8 == of[k] as u8 {
+                m |= 1 << e as u32;
+            }
+            k += 1;
         }
         i += 1;
     }
     m
-};
+}

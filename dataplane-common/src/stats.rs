@@ -62,141 +62,133 @@ pub const fn counter_index(hook: Hook, event: Event) -> u32 {
     hook as u32 * HOOK_STRIDE + event as u32
 }
 
-/// What happened to a packet. Every packet a hook sees is counted under
-/// exactly one event, so a hook's packets are the sum of its events.
-/// Append-only: the numbers are ABI (inspect and metrics read them).
-#[repr(u32)]
+/// Declares [`Event`] once: each event's number (ABI), name (as `inspect`,
+/// metrics and `monitor` show it) and kind; the enum, [`Event::ALL`],
+/// [`Event::name`] and [`Event::kind`] follow.
+macro_rules! events {
+    ($($(#[doc = $doc:literal])* $event:ident = $n:literal, $name:literal, $kind:ident;)*) => {
+        /// What happened to a packet. Every packet a hook sees is counted under
+        /// exactly one event, so a hook's packets are the sum of its events.
+        /// Append-only: the numbers are ABI (inspect and metrics read them).
+        #[repr(u32)]
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        pub enum Event {
+            $($(#[doc = $doc])* $event = $n,)*
+        }
+
+        impl Event {
+            pub const ALL: [Event; [$(Event::$event),*].len()] = [$(Event::$event),*];
+
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Event::$event => $name,)*
+                }
+            }
+
+            pub const fn kind(self) -> EventKind {
+                match self {
+                    $(Event::$event => EventKind::$kind,)*
+                }
+            }
+        }
+    };
+}
+
+/// What an [`Event`] did with the packet.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Event {
+pub enum EventKind {
+    /// Let it go on untranslated.
+    Pass,
+    /// Translated it (DNAT, SNAT, un-NAT, an ICMP error's quote).
+    Translate,
+    /// Answered it with an ICMP error instead of forwarding it.
+    Reject,
+    /// Dropped it.
+    Drop,
+}
+
+events! {
     /// Passed untouched: not for a Service.
-    Pass = 0,
+    Pass = 0, "pass", Pass;
     /// First packet of a flow: backend chosen, translated.
-    NewFlow = 1,
+    NewFlow = 1, "new_flow", Translate;
     /// Translated by an existing conntrack entry (original direction).
-    Established = 2,
+    Established = 2, "established", Translate;
     /// Reply reverse-translated.
-    Reply = 3,
+    Reply = 3, "reply", Translate;
     /// ICMP error about a translated flow rewritten for the client.
-    IcmpErrorTranslated = 4,
+    IcmpErrorTranslated = 4, "icmp_error_translated", Translate;
     /// Fragment of a datagram: passed untouched (not translated).
-    Fragment = 5,
+    Fragment = 5, "fragment", Pass;
     /// Rejected with ICMP port-unreachable: the service has no endpoints.
-    RejectNoEndpoints = 6,
+    RejectNoEndpoints = 6, "reject_no_endpoints", Reject;
     /// Rejected with ICMP port-unreachable: a Service address on a port it
     /// does not serve.
-    RejectUnknownPort = 7,
+    RejectUnknownPort = 7, "reject_unknown_port", Reject;
     /// Dropped: a Local traffic policy and no local endpoint.
-    DropNoLocalEndpoint = 8,
+    DropNoLocalEndpoint = 8, "drop_no_local_endpoint", Drop;
     /// Dropped: source outside loadBalancerSourceRanges.
-    DropSourceRange = 9,
+    DropSourceRange = 9, "drop_source_range", Drop;
     /// Dropped: an address in a service CIDR that no Service holds.
-    DropUnallocatedServiceIp = 10,
+    DropUnallocatedServiceIp = 10, "drop_unallocated_service_ip", Drop;
     /// Malformed or truncated header: passed untouched (the kernel's own
     /// validation drops it), never translated.
-    Malformed = 11,
+    Malformed = 11, "malformed", Pass;
     /// Dropped: no free SNAT port for this backend.
-    DropSnatExhausted = 12,
+    DropSnatExhausted = 12, "drop_snat_exhausted", Drop;
     /// Dropped: conntrack insert failed.
-    DropCtFull = 13,
+    DropCtFull = 13, "drop_ct_full", Drop;
     /// Dropped: frontend points at a missing backend (agent mid-update).
-    DropNoBackend = 14,
+    DropNoBackend = 14, "drop_no_backend", Drop;
     /// Reserved: counted SCTP passed untranslated before SCTP was
     /// translated; kept so that the other slots keep their numbers.
-    UnsupportedProto = 15,
+    UnsupportedProto = 15, "unsupported_proto", Pass;
     /// A reject could not be built (buffer too small, options): dropped.
-    DropRejectFailed = 16,
+    DropRejectFailed = 16, "drop_reject_failed", Drop;
     /// Dropped: a live flow from the same client address and port to the
     /// same backend, through another frontend, holds the tuple the backend
     /// sees. Egress hooks know a flow by that tuple alone, so the new one
     /// would be translated as the live one.
-    DropTupleClash = 17,
+    DropTupleClash = 17, "drop_tuple_clash", Drop;
     /// Passed untouched by egress without a conntrack lookup: the ingress
     /// hook that saw the packet on this node left a word saying that nothing is to be
     /// done there (see [`crate::hint`]).
-    PassByIngress = 18,
+    PassByIngress = 18, "pass_by_ingress", Pass;
     /// Not forwarded: too big for the path to the backend once
     /// encapsulated (DSR); answered with ICMP "fragmentation needed"
     /// (IPv6: "packet too big") naming the MTU left for it, so that the
     /// client's path MTU discovery adapts.
-    RejectTooBig = 19,
+    RejectTooBig = 19, "reject_too_big", Reject;
     /// Dropped: a DSR flow's packet that XDP could not send to the
     /// backend's node (no complete route: the neighbour unresolved, say)
     /// and cannot pass to the stack encapsulated (see docs/datapath.md).
-    DropDsrUnroutable = 20,
+    DropDsrUnroutable = 20, "drop_dsr_unroutable", Drop;
     /// Dropped: an IPv4 packet without "don't fragment" too big for the
     /// path once encapsulated (XDP does not fragment).
-    DropDsrTooBig = 21,
+    DropDsrTooBig = 21, "drop_dsr_too_big", Drop;
+    /// Dropped: host routing found the translated packet's route but could
+    /// not write its forwarding headers (TTL, MAC addresses); the flow
+    /// statistics count it under `fwd_other` too.
+    DropForwardFailed = 22, "drop_forward_failed", Drop;
 }
 
 impl Event {
-    pub const ALL: [Event; 22] = [
-        Event::Pass,
-        Event::NewFlow,
-        Event::Established,
-        Event::Reply,
-        Event::IcmpErrorTranslated,
-        Event::Fragment,
-        Event::RejectNoEndpoints,
-        Event::RejectUnknownPort,
-        Event::DropNoLocalEndpoint,
-        Event::DropSourceRange,
-        Event::DropUnallocatedServiceIp,
-        Event::Malformed,
-        Event::DropSnatExhausted,
-        Event::DropCtFull,
-        Event::DropNoBackend,
-        Event::UnsupportedProto,
-        Event::DropRejectFailed,
-        Event::DropTupleClash,
-        Event::PassByIngress,
-        Event::RejectTooBig,
-        Event::DropDsrUnroutable,
-        Event::DropDsrTooBig,
-    ];
-
-    pub const fn name(self) -> &'static str {
-        match self {
-            Event::Pass => "pass",
-            Event::NewFlow => "new_flow",
-            Event::Established => "established",
-            Event::Reply => "reply",
-            Event::IcmpErrorTranslated => "icmp_error_translated",
-            Event::Fragment => "fragment",
-            Event::RejectNoEndpoints => "reject_no_endpoints",
-            Event::RejectUnknownPort => "reject_unknown_port",
-            Event::DropNoLocalEndpoint => "drop_no_local_endpoint",
-            Event::DropSourceRange => "drop_source_range",
-            Event::DropUnallocatedServiceIp => "drop_unallocated_service_ip",
-            Event::Malformed => "malformed",
-            Event::DropSnatExhausted => "drop_snat_exhausted",
-            Event::DropCtFull => "drop_ct_full",
-            Event::DropNoBackend => "drop_no_backend",
-            Event::UnsupportedProto => "unsupported_proto",
-            Event::DropRejectFailed => "drop_reject_failed",
-            Event::DropTupleClash => "drop_tuple_clash",
-            Event::PassByIngress => "pass_by_ingress",
-            Event::RejectTooBig => "reject_too_big",
-            Event::DropDsrUnroutable => "drop_dsr_unroutable",
-            Event::DropDsrTooBig => "drop_dsr_too_big",
-        }
-    }
-
     pub const fn is_drop(self) -> bool {
-        matches!(
-            self,
-            Event::DropNoLocalEndpoint
-                | Event::DropSourceRange
-                | Event::DropUnallocatedServiceIp
-                | Event::DropSnatExhausted
-                | Event::DropCtFull
-                | Event::DropNoBackend
-                | Event::DropRejectFailed
-                | Event::DropTupleClash
-                | Event::DropDsrUnroutable
-                | Event::DropDsrTooBig
-        )
+        matches!(self.kind(), EventKind::Drop)
     }
 }
+
+// Every event fits a hook's block of counters, and its number is its place
+// in `ALL` (readers index `ALL` by the number).
+const _: () = {
+    assert!(Event::ALL.len() <= HOOK_STRIDE as usize);
+    let mut i = 0;
+    while i < Event::ALL.len() {
+        assert!(Event::ALL[i] as usize == i);
+        i += 1;
+    }
+};
+
 
 /// Number of slots in [`crate::names::COUNTERS`]: one block per hook, with
 /// room to append events and hooks.

@@ -215,7 +215,6 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
         }
         _ => (C::Verdict::from_packed(step.0), step.event()),
     };
-    stats::count_raw(hook, event, len);
     // Always written: a word the packet brought from elsewhere must not
     // reach egress. (Whether egress trusts it is the agent's call, per
     // device: see `dataplane_common::hint`.)
@@ -223,8 +222,9 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
         ctx.leave_hint(step.hint());
     }
     // Host routing: a packet translated on its way in (DNAT, or un-SNAT of
-    // a reply) goes straight to its route's device.
-    let verdict = if ingress
+    // a reply) goes straight to its route's device; one it found a route
+    // for but could not send on (TC) is a drop, counted as such.
+    let (verdict, event) = if ingress
         && !sent
         && cfg.flags & config_flags::HOST_ROUTING != 0
         && (event == Event::NewFlow as u32
@@ -232,10 +232,15 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
             || event == Event::Reply as u32)
         && let Some(v) = ctx.route(cfg)
     {
-        v
+        if v.into() == C::DROP.into() {
+            (v, Event::DropForwardFailed as u32)
+        } else {
+            (v, event)
+        }
     } else {
-        verdict
+        (verdict, event)
     };
+    stats::count_raw(hook, event, len);
     // A translated packet, as it leaves the hook: to `monitor` readers of
     // trace events if it was sampled (a bit test on a register for the
     // others).

@@ -174,8 +174,8 @@ fn route_tc(ctx: &TcContext) -> i64 {
     };
     if !ok || Ctx::store(ctx, eth::DST, &p.dmac).is_none() || Ctx::store(ctx, eth::SRC, &p.smac).is_none() {
         // A failed store leaves the packet as the stack would not forward
-        // it: dropped, and counted as what it is (a translated packet that
-        // could not be sent on).
+        // it: dropped (the caller counts it `drop_forward_failed`), and
+        // among flows as a translated packet that could not be sent on.
         stats::count_flow(FlowStat::FwdOther);
         return aya_ebpf::bindings::TC_ACT_SHOT as i64;
     }
