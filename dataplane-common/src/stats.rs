@@ -189,7 +189,6 @@ const _: () = {
     }
 };
 
-
 /// Number of slots in [`crate::names::COUNTERS`]: one block per hook, with
 /// room to append events and hooks.
 pub const COUNTER_SLOTS: u32 = 8 * HOOK_STRIDE;
