@@ -298,13 +298,17 @@ fn is_error<F: Family>(icmp_type: u8) -> bool {
     }
 }
 
-#[inline(never)]
-fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, now: u64) -> Option<bool> {
+/// The quote of an ICMP error at `l4` that the datapath translates: its IP
+/// header's and L4 header's offsets and its protocol (TCP, UDP or SCTP);
+/// `Some(None)` for another ICMP message or quote, `None` when the packet
+/// is cut short.
+#[inline(always)]
+fn quote<C: Ctx, F: Family>(ctx: &C, l4: usize) -> Option<Option<(usize, usize, u8)>> {
     // Type and code together: a one-byte read at a variable offset compiles
     // to a bounds check the verifier cannot use.
     let [icmp_type, _code]: [u8; 2] = load(ctx, l4)?;
     if !is_error::<F>(icmp_type) {
-        return Some(false);
+        return Some(None);
     }
     let inner = l4 + l4::ICMP_HLEN;
     // The quoted header: IPv4 without options (version and IHL 0x45), or
@@ -313,23 +317,31 @@ fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, n
         let [vihl, _tos]: [u8; 2] = load(ctx, inner)?;
         let [_ttl, p]: [u8; 2] = load(ctx, inner + ip::TTL)?;
         if vihl != 0x45 {
-            return Some(false);
+            return Some(None);
         }
         (inner + ip::HLEN, p)
     } else {
-        // Version, ..., next header in one load (the stack is tight).
-        let h: [u8; 8] = load(ctx, inner)?;
-        if h[0] >> 4 != 6 {
-            return Some(false);
+        let [vtc, _]: [u8; 2] = load(ctx, inner)?;
+        let [p, _hop]: [u8; 2] = load(ctx, inner + ip6::NEXT_HDR)?;
+        if vtc >> 4 != 6 {
+            return Some(None);
         }
-        (inner + ip6::HLEN, h[ip6::NEXT_HDR])
+        (inner + ip6::HLEN, p)
     };
     // (An SCTP quote's CRC32c lies beyond the 8 bytes quoted at least, and
     // covers the whole packet, which a quote rarely holds: it is left as it
     // is; nobody checks a quote's L4 checksum.)
     if !(inner_proto == proto::TCP || inner_proto == proto::UDP || inner_proto == proto::SCTP) {
-        return Some(false);
+        return Some(None);
     }
+    Some(Some((inner, inner_l4, inner_proto)))
+}
+
+#[inline(never)]
+fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, now: u64) -> Option<bool> {
+    let Some((inner, inner_l4, inner_proto)) = quote::<C, F>(ctx, l4)? else {
+        return Some(false);
+    };
     let end = if F::IP_CHECKSUM {
         let tot: u16 = load(ctx, l3 + ip::TOT_LEN)?;
         l3 + u16::from_be(tot) as usize
@@ -420,29 +432,9 @@ fn translate<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize, n
 /// sender addressed (the frontend, the node's SNAT address).
 #[inline(never)]
 fn restore_source<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usize) -> Option<bool> {
-    let [icmp_type, _code]: [u8; 2] = load(ctx, l4)?;
-    if !is_error::<F>(icmp_type) {
+    let Some((inner, inner_l4, inner_proto)) = quote::<C, F>(ctx, l4)? else {
         return Some(false);
-    }
-    let inner = l4 + l4::ICMP_HLEN;
-    let (inner_l4, inner_proto) = if F::IP_CHECKSUM {
-        let [vihl, _tos]: [u8; 2] = load(ctx, inner)?;
-        let [_ttl, p]: [u8; 2] = load(ctx, inner + ip::TTL)?;
-        if vihl != 0x45 {
-            return Some(false);
-        }
-        (inner + ip::HLEN, p)
-    } else {
-        // Version, ..., next header in one load (the stack is tight).
-        let h: [u8; 8] = load(ctx, inner)?;
-        if h[0] >> 4 != 6 {
-            return Some(false);
-        }
-        (inner + ip6::HLEN, h[ip6::NEXT_HDR])
     };
-    if !(inner_proto == proto::TCP || inner_proto == proto::UDP || inner_proto == proto::SCTP) {
-        return Some(false);
-    }
     let saddr: F::A = load(ctx, inner + F::SADDR)?;
     let daddr: F::A = load(ctx, inner + F::DADDR)?;
     let ports: [u16; 2] = load(ctx, inner_l4)?;

@@ -163,7 +163,7 @@ fn sample<C: Ctx>(ctx: &C) {
             return;
         }
         let every = (*ctl).sample;
-        if every == 0 || (every > 1 && bpf_get_prandom_u32() % every != 0) {
+        if every == 0 || (every > 1 && !bpf_get_prandom_u32().is_multiple_of(every)) {
             return;
         }
         let len = ctx.packet_len() as u32;
