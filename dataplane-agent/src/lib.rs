@@ -19,4 +19,5 @@ pub mod k8s;
 pub mod lb;
 pub mod net;
 pub mod preflight;
+pub mod prom;
 pub mod state;

@@ -417,7 +417,7 @@ impl ControlLoop {
         // (a relist repeats old ones: each is counted once).
         for t in &report.trigger_times {
             if seen_triggers.insert(t.clone())
-                && let Some(at) = super::run::parse_rfc3339(t)
+                && let Some(at) = super::health::parse_rfc3339(t)
                 && let Ok(d) = now.duration_since(at)
             {
                 m.network_programming.observe(d.as_secs_f64());

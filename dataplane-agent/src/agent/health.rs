@@ -213,8 +213,25 @@ impl ServiceHealthServers {
     }
 }
 
+/// Parses `YYYY-MM-DDTHH:MM:SS[.frac]Z` (UTC, as the API server writes).
+pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
+    s.parse::<jiff::Timestamp>().ok().map(SystemTime::from)
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn rfc3339_round_trips_through_the_formatter() {
+        use std::time::{Duration, UNIX_EPOCH};
+        let t = UNIX_EPOCH + Duration::new(1_700_000_000, 123_000_000);
+        assert_eq!(parse_rfc3339(&rfc3339(t)), Some(t));
+        assert_eq!(
+            parse_rfc3339("2023-11-14T22:13:20Z"),
+            Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000))
+        );
+        assert_eq!(parse_rfc3339("not a time"), None);
+    }
+
     use super::*;
     use std::time::UNIX_EPOCH;
 

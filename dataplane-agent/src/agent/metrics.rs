@@ -12,17 +12,16 @@ use std::{
 
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric as _, MetricEncoder},
+    encoding::{DescriptorEncoder, EncodeMetric as _},
     metrics::{
         MetricType,
-        counter::ConstCounter,
-        gauge::ConstGauge,
         histogram::{Histogram, exponential_buckets},
     },
     registry::Registry,
 };
 
 use super::http::{Handler, Limits, Response, Server, ServerRuntime};
+use crate::prom::{Fmt, const_counter, const_gauge, counter, family, gauge};
 
 /// Everything exported. The run loop updates it; scrapes encode it.
 #[derive(Clone, Debug)]
@@ -121,47 +120,6 @@ const SKIP_REASONS: [&str; 6] = [
     "unreadable",
     "too_large",
 ];
-
-pub(crate) type Fmt = Result<(), std::fmt::Error>;
-
-pub(crate) fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> Fmt {
-    let c = ConstCounter::new(v);
-    c.encode(enc.encode_descriptor(name, help, None, c.metric_type())?)
-}
-
-pub(crate) fn gauge<N: prometheus_client::encoding::EncodeGaugeValue>(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    v: N,
-) -> Fmt {
-    let g = ConstGauge::new(v);
-    g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)
-}
-
-/// One family: a sample per label set.
-pub(crate) fn family<'a, V>(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    kind: MetricType,
-    samples: impl IntoIterator<Item = (Vec<(&'a str, &'a str)>, V)>,
-    sample: impl Fn(MetricEncoder, V) -> Fmt,
-) -> Fmt {
-    let mut fam = enc.encode_descriptor(name, help, None, kind)?;
-    for (labels, v) in samples {
-        sample(fam.encode_family(&labels)?, v)?;
-    }
-    Ok(())
-}
-
-pub(crate) fn const_counter(e: MetricEncoder, v: u64) -> Fmt {
-    ConstCounter::new(v).encode(e)
-}
-
-pub(crate) fn const_gauge(e: MetricEncoder, v: u64) -> Fmt {
-    ConstGauge::new(v).encode(e)
-}
 
 impl Metrics {
     fn encode(&self, enc: &mut DescriptorEncoder) -> Fmt {

@@ -393,26 +393,3 @@ fn node_eligible(store: &Store) -> bool {
         .is_some_and(|t| t.iter().any(|t| t.key == "ToBeDeletedByClusterAutoscaler"));
     !deleting && !scaling_down
 }
-
-/// Parses `YYYY-MM-DDTHH:MM:SS[.frac]Z` (UTC, as the API server writes).
-pub fn parse_rfc3339(s: &str) -> Option<SystemTime> {
-    s.parse::<jiff::Timestamp>().ok().map(SystemTime::from)
-}
-
-#[cfg(test)]
-mod tests {
-    use std::time::{Duration, UNIX_EPOCH};
-
-    use super::*;
-
-    #[test]
-    fn rfc3339_round_trips_through_the_health_formatter() {
-        let t = UNIX_EPOCH + Duration::new(1_700_000_000, 123_000_000);
-        assert_eq!(parse_rfc3339(&health::rfc3339(t)), Some(t));
-        assert_eq!(
-            parse_rfc3339("2023-11-14T22:13:20Z"),
-            Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000))
-        );
-        assert_eq!(parse_rfc3339("not a time"), None);
-    }
-}

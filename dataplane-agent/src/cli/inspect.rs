@@ -11,6 +11,7 @@ use dataplane_common::{
 };
 use serde_json::{Value, json};
 
+use super::shared::{agent_get, print};
 use crate::{
     dataplane::{AbiAddr, FamilyMaps, LbMaps},
     net::{Protocol, host_port},
@@ -101,14 +102,6 @@ fn set_json(s: &BackendSet) -> Value {
     })
 }
 
-pub(super) fn print(output: &str, value: Value, table: impl FnOnce() -> String) -> anyhow::Result<()> {
-    match output {
-        "json" => println!("{}", serde_json::to_string_pretty(&value)?),
-        "table" => print!("{}", table()),
-        other => anyhow::bail!("-o {other}: expected table or json"),
-    }
-    Ok(())
-}
 
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     match &args.what {
@@ -368,23 +361,6 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     }
 }
 
-/// GET `path` from the agent's health server at `addr`: (status, JSON body).
-pub(super) fn agent_get(addr: &str, path: &str) -> anyhow::Result<(u16, Value)> {
-    use std::io::{Read as _, Write as _};
-    let mut s = std::net::TcpStream::connect(addr)
-        .with_context(|| format!("cannot reach the agent's health server at {addr} (--health-address)"))?;
-    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
-    let mut text = String::new();
-    s.read_to_string(&mut text)?;
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    Ok((status, serde_json::from_str(body).unwrap_or(Value::Null)))
-}
 
 fn health(output: &str, addr: &str) -> anyhow::Result<()> {
     let get = |path: &str| agent_get(addr, path);

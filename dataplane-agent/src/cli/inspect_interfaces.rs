@@ -10,7 +10,7 @@ use aya::programs::links::{FdLink, PinnedLink};
 use dataplane_common::names;
 use serde_json::{Value, json};
 
-use super::inspect::{agent_get, print};
+use super::shared::{agent_get, print};
 use crate::agent::interfaces;
 
 /// One pinned link: `<program>@<device>`.

@@ -6,6 +6,7 @@ pub mod inspect;
 mod inspect_interfaces;
 pub mod monitor;
 pub mod run;
+mod shared;
 pub mod trace;
 
 use clap::{Parser, Subcommand};

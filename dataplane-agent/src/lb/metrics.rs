@@ -16,7 +16,7 @@ use prometheus_client::{
 };
 
 use super::{pool::Usage, responder::Counters};
-use crate::agent::metrics::{Fmt, const_counter, const_gauge, counter, family, gauge};
+use crate::prom::{Fmt, const_counter, const_gauge, counter, family, gauge};
 
 #[derive(Clone, Debug)]
 pub struct LbMetrics {
