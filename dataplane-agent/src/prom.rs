@@ -48,4 +48,3 @@ pub fn const_counter(e: MetricEncoder, v: u64) -> Fmt {
 pub fn const_gauge(e: MetricEncoder, v: u64) -> Fmt {
     ConstGauge::new(v).encode(e)
 }
-

@@ -102,7 +102,6 @@ fn set_json(s: &BackendSet) -> Value {
     })
 }
 
-
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     match &args.what {
         What::Health { health_address } => return health(&args.output, health_address),
@@ -360,7 +359,6 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
         What::Health { .. } | What::Interfaces { .. } => unreachable!("handled above"),
     }
 }
-
 
 fn health(output: &str, addr: &str) -> anyhow::Result<()> {
     let get = |path: &str| agent_get(addr, path);
