@@ -18,6 +18,7 @@ pub mod dataplane;
 pub mod k8s;
 pub mod lb;
 pub mod net;
+pub mod os;
 pub mod preflight;
 pub mod prom;
 pub mod state;

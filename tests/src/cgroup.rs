@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 /// (`/sys/fs/cgroup` on unified hosts, `/sys/fs/cgroup/unified` on hybrid
 /// ones; never a stray mount under /run or /tmp).
 pub fn cgroup2_root() -> PathBuf {
-    dataplane_agent::agent::cgroup_mount::system_cgroup2_mount()
+    dataplane_agent::os::cgroup_mount::system_cgroup2_mount()
         .unwrap_or_else(|e| {
             panic!("{e}: the connect-time tests need the machine's cgroup v2 (mounted at /sys/fs/cgroup or /sys/fs/cgroup/unified)")
         })

@@ -137,7 +137,7 @@ fn remove_matching(matches: impl Fn(&str) -> bool) {
             }
         }
     }
-    if let Ok(root) = dataplane_agent::agent::cgroup_mount::system_cgroup2_mount()
+    if let Ok(root) = dataplane_agent::os::cgroup_mount::system_cgroup2_mount()
         && let Ok(dir) = std::fs::read_dir(root.path)
     {
         for entry in dir.flatten() {

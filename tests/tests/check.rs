@@ -125,7 +125,7 @@ fn a_clean_node_passes_and_every_check_is_reported() {
     );
     // Nothing was attached to find that out.
     let link = ns.run(|| {
-        dataplane_agent::agent::interfaces::links()
+        dataplane_agent::os::interfaces::links()
             .unwrap()
             .into_iter()
             .find(|l| l.name == "eth0")

@@ -500,7 +500,7 @@ fn lease_election_acquires_renews_and_hands_over_on_expiry_and_on_release() {
             .build()
             .unwrap();
         rt.block_on(async move {
-            let client = dataplane_agent::agent::kube_source::client(Some(url), None)
+            let client = dataplane_agent::k8s::client::client(Some(url), None)
                 .await
                 .expect("client");
             // a writes 1 s Leases, b 30 s ones: b's release is taken over in

@@ -4,7 +4,7 @@
 
 use std::net::IpAddr;
 
-use dataplane_agent::agent::interfaces::{ChangeWatch, RouteType, addresses, links, route_to, routes};
+use dataplane_agent::os::interfaces::{ChangeWatch, RouteType, addresses, links, route_to, routes};
 use dataplane_tests::{netns::NetNs, unique_prefix};
 
 #[test]

@@ -210,7 +210,7 @@ pub struct RunConfig {
     /// processes; `None`: off.
     pub cgroup_path: Option<PathBuf>,
     /// Where `cgroup_path` comes from: given, or chosen among the mounts
-    /// (see `agent::cgroup_mount`), or why there is none.
+    /// (see `os::cgroup_mount`), or why there is none.
     pub cgroup_origin: CgroupOrigin,
     pub socket_lb_host_only: bool,
     /// Translated packets skip the node's IP stack (TC paths).
@@ -267,7 +267,7 @@ pub enum CgroupOrigin {
     /// `none`: connect-time translation is off, as asked.
     Off,
     /// Not given: the system's cgroup v2 mount.
-    Chosen(super::cgroup_mount::Cgroup2Mount),
+    Chosen(crate::os::cgroup_mount::Cgroup2Mount),
     /// Not given and no mount fits: off, without having been asked to be.
     NotFound(String),
 }
@@ -277,7 +277,7 @@ pub fn resolve_cgroup_path(setting: Option<&str>) -> (Option<PathBuf>, CgroupOri
     match setting {
         Some("none") | Some("") => (None, CgroupOrigin::Off),
         Some(p) => (Some(PathBuf::from(p)), CgroupOrigin::Given),
-        None => match super::cgroup_mount::system_cgroup2_mount() {
+        None => match crate::os::cgroup_mount::system_cgroup2_mount() {
             Ok(m) => (Some(m.path.clone()), CgroupOrigin::Chosen(m)),
             Err(e) => (None, CgroupOrigin::NotFound(e.to_string())),
         },

@@ -32,12 +32,12 @@ use std::{
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
+use crate::os::interfaces;
 use tracing::{info, warn};
 
 use super::{
     config::NodePortAddresses,
     feed::{Feed, ManifestUpdate},
-    interfaces,
     kube_source::Change,
     metrics::Metrics,
     sync::{SyncKind, SyncReport, Syncer, node_context},

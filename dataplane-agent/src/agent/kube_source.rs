@@ -15,8 +15,7 @@ use k8s_openapi::api::{
     networking::v1::ServiceCIDR,
 };
 use kube::{
-    Api, Client, Config,
-    config::{KubeConfigOptions, Kubeconfig},
+    Api,
     runtime::{
         WatchStreamExt as _,
         events::{Event as KubeEvent, EventType, Recorder, Reporter},
@@ -115,41 +114,10 @@ pub struct KubeSource {
 
 #[derive(Debug, thiserror::Error)]
 pub enum KubeSourceError {
-    #[error(
-        "cannot build the Kubernetes client configuration: {0}. Pass --k8s-api-server URL (and --kubeconfig) or run in-cluster"
-    )]
-    Config(String),
+    #[error(transparent)]
+    Client(#[from] crate::k8s::client::ClientError),
     #[error("cannot start the Kubernetes watch runtime: {0}")]
     Runtime(#[from] std::io::Error),
-}
-
-pub async fn client(
-    api_server: Option<String>,
-    kubeconfig: Option<std::path::PathBuf>,
-) -> Result<Client, KubeSourceError> {
-    let cfg_err = |e: &dyn std::fmt::Display| KubeSourceError::Config(e.to_string());
-    let mut config = match &kubeconfig {
-        Some(path) => {
-            let kc = Kubeconfig::read_from(path).map_err(|e| cfg_err(&e))?;
-            Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
-                .await
-                .map_err(|e| cfg_err(&e))?
-        }
-        None => match Config::infer().await {
-            Ok(c) => c,
-            // Nothing to infer from: talk to the given server without credentials.
-            Err(e) => match &api_server {
-                Some(url) => Config::new(url.parse().map_err(|e| cfg_err(&e))?),
-                None => return Err(cfg_err(&e)),
-            },
-        },
-    };
-    // The `kubernetes` ClusterIP is served by this very agent: the API
-    // server's real address must come from configuration.
-    if let Some(url) = api_server {
-        config.cluster_url = url.parse().map_err(|e| cfg_err(&e))?;
-    }
-    Client::try_from(config).map_err(|e| cfg_err(&e))
 }
 
 async fn forward<K: Parse>(
@@ -211,7 +179,7 @@ impl KubeSource {
             .name("kube-source".into())
             .spawn(move || {
                 runtime.block_on(async move {
-                    let client = match client(api_server, kubeconfig).await {
+                    let client = match crate::k8s::client::client(api_server, kubeconfig).await {
                         Ok(c) => {
                             let _ = ready_tx.send(Ok(()));
                             c
@@ -272,7 +240,7 @@ impl KubeSource {
                 });
             })?;
         if let Ok(Err(e)) = ready_rx.recv() {
-            return Err(e);
+            return Err(e.into());
         }
         Ok(Self { events: events_tx })
     }

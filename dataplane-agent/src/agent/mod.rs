@@ -1,7 +1,6 @@
 //! `dataplane-agent run`: the daemon. Sources feed the object store; the
 //! control loop syncs what changed into the service table and the maps;
 //! health and metrics servers report on it.
-pub mod cgroup_mount;
 pub mod config;
 pub mod control;
 pub mod counters;
@@ -9,7 +8,6 @@ pub mod ct_gc;
 pub mod feed;
 pub mod health;
 pub mod http;
-pub mod interfaces;
 pub mod kube_source;
 pub mod metrics;
 pub mod pod_interfaces;

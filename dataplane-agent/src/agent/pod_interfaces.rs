@@ -2,7 +2,7 @@
 //! datapath's pod hooks (`tc_pod_ingress`, `tc_egress`) on them.
 //!
 //! Discovery reads the node's links, addresses and routes (rtnetlink, see
-//! [`super::interfaces`]) and follows their notifications:
+//! [`crate::os::interfaces`]) and follows their notifications:
 //! - **Routed (ptp) CNIs** (Calico, kindnet, AWS VPC CNI, Cilium in
 //!   routing mode...): the host end of each pod's veth carries a direct
 //!   route to the pod (`10.244.1.10 dev cali1234 scope link`). A veth (or
@@ -39,13 +39,11 @@ use std::{
 use serde::Serialize;
 use tracing::{info, warn};
 
-use super::{
-    config::interface_matches,
-    health::HealthState,
-    interfaces::{self, Address, ChangeWatch, Link, Route, RouteType},
-    metrics::Metrics,
+use super::{config::interface_matches, health::HealthState, metrics::Metrics};
+use crate::{
+    dataplane::{Attached, Datapath},
+    os::interfaces::{self, Address, ChangeWatch, Link, Route, RouteType},
 };
-use crate::dataplane::{Attached, Datapath};
 
 /// Why an interface is a pod interface.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]

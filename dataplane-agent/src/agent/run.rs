@@ -18,7 +18,6 @@ use super::{
     feed::{Feed, ManifestFeed},
     health::{self, HealthState, ServiceHealthServers},
     http,
-    interfaces::ChangeWatch,
     kube_source::KubeSource,
     metrics::{self, Metrics},
     pod_interfaces::{self, ExternalDevice, PodInterfaces},
@@ -27,6 +26,7 @@ use super::{
 use crate::{
     dataplane::{Attached, Datapath, DatapathConfig, LoadOptions},
     k8s::store::Store,
+    os::interfaces::ChangeWatch,
 };
 
 pub fn load_options(cfg: &RunConfig) -> LoadOptions {

@@ -11,7 +11,7 @@ use dataplane_common::names;
 use serde_json::{Value, json};
 
 use super::shared::{agent_get, print};
-use crate::agent::interfaces;
+use crate::os::interfaces;
 
 /// One pinned link: `<program>@<device>`.
 struct Hook {

@@ -673,7 +673,7 @@ fn trace_host(
     dst: SocketAddr,
     proto: Protocol,
 ) -> anyhow::Result<Outcome> {
-    let root = crate::agent::cgroup_mount::system_cgroup2_mount()
+    let root = crate::os::cgroup_mount::system_cgroup2_mount()
         .context("tracing a host process needs cgroup v2")?
         .path;
     let cgroup = root.join(format!("dataplane-trace-{}", std::process::id()));

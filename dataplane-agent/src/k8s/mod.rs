@@ -7,6 +7,8 @@
 //! - [`manifests`]: a source reading multi-document YAML files.
 //! - [`service_cidrs`]: the service CIDRs in force (flags and ServiceCIDR
 //!   objects).
+//! - [`client`]: the API client the watchers share.
+pub mod client;
 pub mod manifests;
 pub mod model;
 pub mod service_cidrs;

@@ -38,7 +38,7 @@ use k8s_openapi::api::{
 use kube::{Api, api::ObjectMeta, runtime::watcher};
 use tracing::info;
 
-use crate::agent::{kube_source, metrics::SharedMetrics};
+use crate::agent::metrics::SharedMetrics;
 
 /// The default `spec.loadBalancerClass` the agent serves.
 pub const DEFAULT_CLASS: &str = "dataplane.example.com/lb";
@@ -107,7 +107,7 @@ pub enum LbError {
     #[error("{0}")]
     Responder(#[from] responder::ResponderError),
     #[error(transparent)]
-    Client(#[from] kube_source::KubeSourceError),
+    Client(#[from] crate::k8s::client::ClientError),
     #[error("cannot start the load-balancer controllers' thread: {0}")]
     Thread(#[from] std::io::Error),
 }
@@ -159,7 +159,8 @@ impl LbController {
             .name("lb-controllers".into())
             .spawn(move || {
                 runtime.block_on(async move {
-                    let client = match kube_source::client(access.api_server, access.kubeconfig).await {
+                    let client = match crate::k8s::client::client(access.api_server, access.kubeconfig).await
+                    {
                         Ok(c) => {
                             let _ = ready_tx.send(Ok(()));
                             c

@@ -378,7 +378,7 @@ fn membership(fd: &OwnedFd, index: i32, mac: Mac, add: bool) -> io::Result<()> {
 /// The interface's index and MAC address, from rtnetlink in this thread's
 /// network namespace (whatever /sys shows).
 fn interface(name: &str) -> Result<(i32, Mac), ResponderError> {
-    let links = crate::agent::interfaces::links().map_err(|e| ResponderError::Socket {
+    let links = crate::os::interfaces::links().map_err(|e| ResponderError::Socket {
         interface: name.into(),
         what: "listing links",
         source: io::Error::other(e.to_string()),

@@ -202,7 +202,7 @@ pub fn check() -> Vec<Finding> {
         })
         .unwrap_or(0);
     let dummy = std::path::Path::new("/sys/class/net/kube-ipvs0").exists()
-        || super::super::agent::interfaces::links()
+        || crate::os::interfaces::links()
             .unwrap_or_default()
             .iter()
             .any(|l| l.name == "kube-ipvs0");

@@ -29,12 +29,9 @@ use std::{
 use serde::Serialize;
 
 use crate::{
-    agent::{
-        config::NodePortAddresses,
-        interfaces::{self, Address, Link},
-        pod_interfaces::Why,
-    },
+    agent::{config::NodePortAddresses, pod_interfaces::Why},
     dataplane::{self, Datapath, DeviceKind, XdpMode, device, pins},
+    os::interfaces::{self, Address, Link},
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -348,14 +345,14 @@ fn cgroup(path: Option<PathBuf>) -> Vec<Finding> {
             ),
             Some(format!(
                 "set cgroupPath to the cgroup2 mount ({}), or none",
-                crate::agent::cgroup_mount::system_cgroup2_mount()
+                crate::os::cgroup_mount::system_cgroup2_mount()
                     .map_or_else(|e| e.to_string(), |m| m.path.display().to_string())
             )),
         )];
     }
     let (path, how) = match path {
         Some(p) => (p, "given".to_owned()),
-        None => match crate::agent::cgroup_mount::system_cgroup2_mount() {
+        None => match crate::os::cgroup_mount::system_cgroup2_mount() {
             Ok(m) => {
                 let passed = if m.passed_over.is_empty() {
                     String::new()
