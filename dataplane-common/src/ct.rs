@@ -242,6 +242,29 @@ pub struct SnatCursor {
 crate::assert_layout!(SnatCursor, 8, 4);
 crate::impl_pod!(SnatCursor);
 
+/// A masqueraded TCP flow that closed with a FIN each way, by its `REP_IN`
+/// key (backend → node : SNAT port): when, and whose it was. Its backend
+/// may hold the tuple in TIME_WAIT (60 s on Linux) if it closed first; a
+/// SYN from another client on that tuple, whose sequence numbers and
+/// timestamps bear no relation to the old connection's, may then be
+/// answered with an ACK of the old one. Kept apart from conntrack, whose
+/// entries a busy node turns over in seconds.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SnatClosed {
+    /// The datapath clock when the flow closed.
+    pub closed_ns: u64,
+    /// The client's address ([`Addr::fold`]: the address itself for IPv4)
+    /// and port (network order): the same client port reopening the tuple
+    /// is not held back (its new connection's sequence numbers and
+    /// timestamps follow the old one's, and TIME_WAIT accepts it).
+    pub client: u32,
+    pub client_port: u16,
+    pub _pad: u16,
+}
+crate::assert_layout!(SnatClosed, 16, 8);
+crate::impl_pod!(SnatClosed);
+
 /// Connect-time translation: which Service address a socket's backend
 /// stands for (getpeername, recvmsg).
 #[repr(C)]

@@ -47,6 +47,11 @@ pub mod names {
     /// ([`crate::ct::SnatCursor`]: where the fallback search resumes, and
     /// until when a backend found exhausted is not searched again).
     pub const SNAT_CURSORS: &str = "DP_SNAT_CURSORS_V2";
+    /// SNAT tuples whose TCP flow closed with a FIN each way, and when
+    /// ([`crate::ct::SnatClosed`]): a backend that closed first may hold
+    /// such a tuple in TIME_WAIT, so the port is not given to another
+    /// client for a while, even after conntrack evicted the flow (an LRU).
+    pub const SNAT4_CLOSED: &str = "SNAT4_CLOSED_V1";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by
     /// [`crate::stats::FlowStat`]: what new flows needed.
     pub const FLOW_STATS: &str = "DP_FLOW_STATS_V2";
@@ -78,6 +83,7 @@ pub mod names {
     pub const LB6_SOURCE_RANGES: &str = "LB6_SOURCE_RANGES_V1";
     pub const CT6: &str = "CT6_V1";
     pub const CT6_ASSURED: &str = "CT6_ASSURED_V1";
+    pub const SNAT6_CLOSED: &str = "SNAT6_CLOSED_V1";
     pub const SOCK6_REVNAT: &str = "SOCK6_REVNAT_V1";
     pub const LB6_DSR: &str = "LB6_DSR_V1";
 
@@ -103,7 +109,7 @@ pub mod names {
     }
 
     /// Every map the agent pins, in the order it creates them.
-    pub const ALL_MAPS: [&str; 30] = [
+    pub const ALL_MAPS: [&str; 32] = [
         CONFIG,
         ADDR_FILTER,
         HINT_DEVICES,
@@ -134,6 +140,8 @@ pub mod names {
         MONITOR_CTL,
         MONITOR_RATE,
         MONITOR_SAMPLE,
+        SNAT4_CLOSED,
+        SNAT6_CLOSED,
     ];
 
     /// XDP on the node's external devices: north-south translation.
@@ -210,6 +218,10 @@ pub mod limits {
     /// How long a CPU spares a backend whose SNAT ports it found all held
     /// the full search, in ms of the datapath clock.
     pub const SNAT_BACKOFF_MS: u32 = 100;
+    /// Recently closed SNAT tuples remembered per family (an LRU): at least
+    /// the flows a busy node closes in `TCP_TIME_WAIT` (120 s at about 500
+    /// masqueraded connections a second).
+    pub const SNAT_CLOSED_ENTRIES: u32 = 65_536;
     /// Chunks of Maglev tables (allocated as written): 1024 tables of the
     /// default size (16 chunks each).
     pub const MAGLEV_CHUNKS: u32 = 16_384;

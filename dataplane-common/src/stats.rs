@@ -282,14 +282,14 @@ pub enum FlowStat {
     /// Expired copies the agent collected from the assured table. Written
     /// by the agent alone, as above.
     CtCollected = 25,
-    /// New masqueraded flows given their hashed port although another
-    /// client's flow closed on it less than 120 s ago (its backend may
-    /// hold the tuple in TIME_WAIT): no other port was free. Each may
-    /// stall if the backend closed that connection first.
+    /// New masqueraded flows given a port although another client's flow
+    /// closed on it less than 120 s ago (its backend may hold the tuple in
+    /// TIME_WAIT): no free port among those tried. Each may stall if the
+    /// backend closed that connection first.
     SnatTimeWaitReuse = 26,
-    /// New masqueraded flows whose hashed port was passed over because
-    /// another client's flow closed on it less than 120 s ago (netfilter
-    /// keeps such a tuple in TIME_WAIT): they looked for another port.
+    /// Ports a new masqueraded flow passed over because another client's
+    /// flow closed on them less than 120 s ago (netfilter keeps such a
+    /// tuple in TIME_WAIT): counted per port.
     SnatTimeWaitHeld = 27,
 }
 

@@ -9,7 +9,7 @@ use aya_ebpf::{
 use dataplane_common::{
     addr::Addr,
     config::DpConfig,
-    ct::{CtEntry, CtKey, ct_flags, snat_port_hash, state},
+    ct::{CtEntry, CtKey, SnatClosed, ct_flags, snat_port_hash, state},
     proto,
     stats::{Event, FlowStat},
 };
@@ -304,6 +304,22 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
         s.a.nat_sport,
         key.proto,
     );
+    // A masqueraded TCP flow this packet closed (its second FIN, no RST):
+    // its SNAT tuple's closure is remembered by the `REP_IN` key (this
+    // entry's, or the other's when this is `FWD_IN`).
+    let fins = (1 << state::FIN_FWD) | (1 << state::FIN_REP);
+    if news & fins != 0
+        && s.a.flags & ct_flags::SNAT != 0
+        && (s.a.state[state::FIN_FWD] | facts[state::FIN_FWD]) != 0
+        && (s.a.state[state::FIN_REP] | facts[state::FIN_REP]) != 0
+        && (s.a.state[state::RST] | facts[state::RST]) == 0
+    {
+        match s.a.role() {
+            ct_flags::REP_IN => remember_closed::<F>(key, s.a.nat_daddr.fold(), s.a.nat_dport, now),
+            ct_flags::FWD_IN => remember_closed::<F>(&s.key, key.saddr.fold(), key.sport, now),
+            _ => {}
+        }
+    }
     if let Some(o) = get::<F>(&s.key)
         // SAFETY: a map value pointer, valid for this run.
         && translates_to(unsafe { &*o }, &key.daddr, key.dport, &key.saddr, key.sport)
@@ -322,6 +338,44 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
             update(sub, 0, true, now);
         }
     }
+}
+
+/// Remembers that the masqueraded TCP flow whose `REP_IN` key is `rep_in`
+/// (backend → node : SNAT port), from `client` (folded) : `client_port`,
+/// closed with a FIN each way at `now` (`SNAT*_CLOSED`, see
+/// [`closed_recently`]).
+#[inline(never)]
+fn remember_closed<F: Family>(rep_in: &CtKey<F::A>, client: u32, client_port: u16, now: u64) {
+    let closed = SnatClosed {
+        closed_ns: now,
+        client,
+        client_port,
+        _pad: 0,
+    };
+    let _ = F::snat_closed().insert(rep_in, &closed, BPF_ANY as u64);
+}
+
+/// Whether the SNAT tuple `key` (a `REP_IN` key) belonged to a TCP flow of
+/// another client than `flow`'s (any client when `None`) that closed with
+/// FINs less than [`TCP_TIME_WAIT_NS`] ago: remembered apart from
+/// conntrack, whose LRU may have evicted that flow's entries long before.
+#[inline(never)]
+fn closed_recently<F: Family>(key: &CtKey<F::A>, flow: Option<&CtKey<F::A>>, now: u64) -> bool {
+    if key.proto != proto::TCP {
+        return false;
+    }
+    let Some(c) = F::snat_closed().get_ptr(key) else {
+        return false;
+    };
+    // SAFETY: a map value pointer, valid for this run; plain reads.
+    let (closed_ns, client, client_port) = unsafe { ((*c).closed_ns, (*c).client, (*c).client_port) };
+    if let Some(t) = flow
+        && t.saddr.fold() == client
+        && t.sport == client_port
+    {
+        return false;
+    }
+    now.saturating_sub(closed_ns) < TCP_TIME_WAIT_NS
 }
 
 /// Assures the flow of `e` (keyed `key`), assured now or before: each of
@@ -708,7 +762,8 @@ fn same_frontend<A: Addr>(e: &CtEntry<A>, t: &CtKey<A>) -> bool {
 /// client address and port is that flow's tuple (see [`clear_tuple`]):
 /// taken over if closed or through the same frontend, a clash otherwise.
 /// With `hold_time_wait`, another client's flow that closed with FINs less
-/// than [`TCP_TIME_WAIT_NS`] ago keeps its key ([`Claim::TimeWait`]).
+/// than [`TCP_TIME_WAIT_NS`] ago keeps its key ([`Claim::TimeWait`]),
+/// whether conntrack still holds it or only [`closed_recently`] remembers.
 #[inline(always)]
 pub fn claim<F: Family>(
     cfg: &DpConfig,
@@ -743,6 +798,9 @@ pub fn claim<F: Family>(
         } else {
             Claim::TakenOver
         }
+    } else if hold_time_wait && closed_recently::<F>(key, flow, now) {
+        // Conntrack forgot the flow, not its closure.
+        return Claim::TimeWait;
     } else {
         Claim::Free
     };

@@ -7,7 +7,7 @@ use aya_ebpf::maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray};
 use dataplane_common::{
     addr::{Addr, Ip6},
     config::DpConfig,
-    ct::{CtEntry, CtKey},
+    ct::{CtEntry, CtKey, SnatClosed},
     lb::{
         AffinityKey, DsrKey, DsrValue, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData,
     },
@@ -18,8 +18,8 @@ use crate::{
     ctx::Ctx,
     maps::{
         AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CT_PEEK4, CT_PEEK6, CT_SCRATCH4, CT_SCRATCH6, CT4,
-        CT4_ASSURED, CT6, CT6_ASSURED, CtScratch, DSR4, DSR6, SERVICES, SERVICES6, SOURCE_RANGES,
-        SOURCE_RANGES6,
+        CT4_ASSURED, CT6, CT6_ASSURED, CtScratch, DSR4, DSR6, SERVICES, SERVICES6, SNAT4_CLOSED,
+        SNAT6_CLOSED, SOURCE_RANGES, SOURCE_RANGES6,
     },
     parse::{Parsed, Pkt, parse4, parse6},
 };
@@ -50,6 +50,8 @@ pub trait Family: 'static {
     fn ct() -> &'static LruHashMap<CtKey<Self::A>, CtEntry<Self::A>>;
     /// Copies of assured flows' entries (never evicts).
     fn ct_assured() -> &'static HashMap<CtKey<Self::A>, CtEntry<Self::A>>;
+    /// Masqueraded TCP flows closed with FINs, by `REP_IN` key (LRU).
+    fn snat_closed() -> &'static LruHashMap<CtKey<Self::A>, SnatClosed>;
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::A>>;
     fn ct_peek() -> &'static PerCpuArray<CtEntry<Self::A>>;
     fn services() -> &'static HashMap<LbServiceKey<Self::A>, Lb4Service>;
@@ -96,6 +98,10 @@ impl Family for V4 {
     #[inline(always)]
     fn ct_assured() -> &'static HashMap<CtKey<u32>, CtEntry<u32>> {
         &CT4_ASSURED
+    }
+    #[inline(always)]
+    fn snat_closed() -> &'static LruHashMap<CtKey<u32>, SnatClosed> {
+        &SNAT4_CLOSED
     }
     #[inline(always)]
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<u32>> {
@@ -172,6 +178,10 @@ impl Family for V6 {
     #[inline(always)]
     fn ct_assured() -> &'static HashMap<CtKey<Ip6>, CtEntry<Ip6>> {
         &CT6_ASSURED
+    }
+    #[inline(always)]
+    fn snat_closed() -> &'static LruHashMap<CtKey<Ip6>, SnatClosed> {
+        &SNAT6_CLOSED
     }
     #[inline(always)]
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Ip6>> {

@@ -8,8 +8,8 @@ use aya_ebpf::{
 use dataplane_common::{
     config::DpConfig,
     ct::{
-        Ct4Entry, Ct4Key, Ct6Entry, Ct6Key, CtEntry, CtKey, Sock4RevKey, Sock4RevValue, Sock6RevKey,
-        Sock6RevValue,
+        Ct4Entry, Ct4Key, Ct6Entry, Ct6Key, CtEntry, CtKey, SnatClosed, Sock4RevKey, Sock4RevValue,
+        Sock6RevKey, Sock6RevValue,
     },
     filter::FILTER_WORDS,
     hint::DEVICE_WORDS,
@@ -77,6 +77,13 @@ pub static CT4: LruHashMap<Ct4Key, Ct4Entry> = LruHashMap::with_max_entries(limi
 #[map(name = "CT4_ASSURED_V1")]
 pub static CT4_ASSURED: HashMap<Ct4Key, Ct4Entry> =
     HashMap::with_max_entries(limits::CT_ENTRIES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
+
+/// Masqueraded TCP flows closed with FINs, by their `REP_IN` key: their
+/// SNAT ports are held back from other clients for TIME_WAIT (`snat`).
+/// An LRU: the oldest closures go first, and a port whose closure was
+/// forgotten is simply free again.
+#[map(name = "SNAT4_CLOSED_V1")]
+pub static SNAT4_CLOSED: LruHashMap<Ct4Key, SnatClosed> = LruHashMap::with_max_entries(limits::SNAT_CLOSED_ENTRIES, 0);
 
 /// Per CPU and backend id: the SNAT port search's state.
 #[map(name = "DP_SNAT_CURSORS_V2")]
@@ -147,6 +154,9 @@ pub static CT6: LruHashMap<Ct6Key, Ct6Entry> = LruHashMap::with_max_entries(limi
 pub static CT6_ASSURED: HashMap<Ct6Key, Ct6Entry> =
     HashMap::with_max_entries(limits::CT_ENTRIES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
 
+#[map(name = "SNAT6_CLOSED_V1")]
+pub static SNAT6_CLOSED: LruHashMap<Ct6Key, SnatClosed> = LruHashMap::with_max_entries(limits::SNAT_CLOSED_ENTRIES, 0);
+
 #[map(name = "SOCK6_REVNAT_V1")]
 pub static SOCK_REVNAT6: LruHashMap<Sock6RevKey, Sock6RevValue> =
     LruHashMap::with_max_entries(limits::SOCK_REVNAT_ENTRIES, 0);
@@ -197,6 +207,10 @@ pub struct CtScratch<A> {
     pub key: CtKey<A>,
     pub a: CtEntry<A>,
     pub b: CtEntry<A>,
+    /// The SNAT port search's first port held for TIME_WAIT (host order;
+    /// 0: none), here rather than in a register: the verifier does not
+    /// follow map memory, so it does not explore the search once per value.
+    pub spare: u32,
 }
 
 #[map(name = "DP_CT_SCRATCH4")]

@@ -11,10 +11,13 @@
 //! consecutive flows to a backend get ports far apart in time, and a port
 //! is taken again only after the whole range has gone round. A port held by
 //! a closed or expired flow is taken over, but one whose flow (another
-//! client's) closed with FINs less than `ct::TCP_TIME_WAIT_NS` ago only
-//! when no other port is found (its backend may hold the tuple in
-//! TIME_WAIT). Only when the whole range is held by live flows does a new
-//! flow find nothing within `SNAT_ATTEMPTS` tries.
+//! client's) closed with FINs less than `ct::TCP_TIME_WAIT_NS` ago is held
+//! (its backend may keep the tuple in TIME_WAIT), whether conntrack still
+//! has that flow or only `SNAT*_CLOSED` remembers its closure: the search
+//! passes over up to two held ports and takes the first of them only when
+//! it found no free one (where two are held, the range most likely is). Only when every port tried is
+//! held by a live flow does a new flow find nothing (after `SNAT_ATTEMPTS`
+//! tries; then the backend is spared the search for `SNAT_BACKOFF_MS`).
 
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use dataplane_common::{
@@ -72,7 +75,7 @@ fn search<F: Family>(
     }
     let hashed = snat_port_hash(t.saddr, t.sport, cfg.snat_hash_seed, min, max);
     s.key = CtKey::new(s.a.nat_daddr, snat_ip, s.a.nat_dport, hashed.to_be(), t.proto);
-    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t), false);
+    let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t), true);
     match outcome {
         Claim::Clash => return Err(Event::DropTupleClash),
         Claim::TakenOver => stats::count_flow(FlowStat::SnatTakeover),
@@ -83,11 +86,12 @@ fn search<F: Family>(
         stats::count_flow(FlowStat::SnatHashed);
         return Ok((s.key.dport, false));
     }
-    // The hashed port's last flow (another client's) closed moments ago:
-    // another port if one is free, else that one after all.
-    let time_wait = outcome == Claim::TimeWait;
-    if time_wait {
+    // Held ports (another client's flow closed on them moments ago) are
+    // passed over, the first kept in case no free one is found.
+    set_spare(s, 0);
+    if outcome == Claim::TimeWait {
         stats::count_flow(FlowStat::SnatTimeWaitHeld);
+        set_spare(s, hashed);
     }
     s.b.flags |= ct_flags::EXPLICIT;
     let range = max as u32 - min as u32 + 1;
@@ -101,7 +105,7 @@ fn search<F: Family>(
     // comparison: the clock in ms wraps every 49 days).
     if backoff_until != 0 && (backoff_until.wrapping_sub(now_ms) as i32) > 0 {
         stats::count_flow(FlowStat::SnatBackoff);
-        return time_wait_takeover::<F>(cfg, t, s, hashed, time_wait, now);
+        return take_spare::<F>(cfg, t, s, hashed, now);
     }
     if next == 0 {
         // SAFETY: helper without arguments.
@@ -116,7 +120,7 @@ fn search<F: Family>(
             continue;
         }
         s.key.dport = port.to_be();
-        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, None, false);
+        let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, None, true);
         if outcome.won() {
             // SAFETY: as above.
             unsafe { (*cursor).next = next };
@@ -126,37 +130,67 @@ fn search<F: Family>(
             }
             return Ok((s.key.dport, true));
         }
-        stats::count_flow(FlowStat::SnatPortsBusy);
+        if outcome == Claim::TimeWait {
+            stats::count_flow(FlowStat::SnatTimeWaitHeld);
+            // The second held port: the rest of the range most likely is
+            // held too.
+            if spare(s) != 0 {
+                break;
+            }
+            set_spare(s, port);
+        } else {
+            stats::count_flow(FlowStat::SnatPortsBusy);
+        }
     }
     // SAFETY: as above.
-    unsafe {
-        (*cursor).next = next;
-        (*cursor).backoff_until_ms = now_ms.wrapping_add(limits::SNAT_BACKOFF_MS).max(1);
+    unsafe { (*cursor).next = next };
+    if spare(s) == 0 {
+        // Every port tried is held by a live flow: the range is exhausted.
+        // SAFETY: as above.
+        unsafe { (*cursor).backoff_until_ms = now_ms.wrapping_add(limits::SNAT_BACKOFF_MS).max(1) };
     }
-    time_wait_takeover::<F>(cfg, t, s, hashed, time_wait, now)
+    take_spare::<F>(cfg, t, s, hashed, now)
 }
 
-/// When no other port was found: the hashed port after all if its last
-/// flow closed moments ago (`time_wait`: taken over, counted
-/// `snat_time_wait_reuse`, as before the hold), else the range is held by
-/// live flows: exhausted.
+/// When no free port was found: the held port `s.spare` after all (0:
+/// none, the range is held by live flows: exhausted), taken over and
+/// counted `snat_time_wait_reuse`. The hashed port needs no explicit
+/// entries.
 #[inline(always)]
-fn time_wait_takeover<F: Family>(
+fn take_spare<F: Family>(
     cfg: &DpConfig,
     t: &CtKey<F::A>,
     s: &mut CtScratch<F::A>,
     hashed: u16,
-    time_wait: bool,
     now: u64,
 ) -> Result<(u16, bool), Event> {
-    if !time_wait {
+    let spare = spare(s);
+    if spare == 0 {
         return Err(Event::DropSnatExhausted);
     }
-    s.b.flags &= !ct_flags::EXPLICIT;
-    s.key.dport = hashed.to_be();
-    if !ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t), false).won() {
+    let explicit = spare != hashed;
+    if !explicit {
+        s.b.flags &= !ct_flags::EXPLICIT;
+    }
+    s.key.dport = spare.to_be();
+    let flow = if explicit { None } else { Some(t) };
+    if !ct::claim::<F>(cfg, &s.key, &s.b, now, flow, false).won() {
         return Err(Event::DropSnatExhausted);
     }
     stats::count_flow(FlowStat::SnatTimeWaitReuse);
-    Ok((s.key.dport, false))
+    Ok((s.key.dport, explicit))
+}
+
+/// The search's held port (`CtScratch::spare`), read and written as memory
+/// the verifier does not follow (volatile: not kept in a register).
+#[inline(always)]
+fn spare<A>(s: &CtScratch<A>) -> u16 {
+    // SAFETY: a field of this CPU's scratch slot.
+    unsafe { core::ptr::read_volatile(&s.spare) as u16 }
+}
+
+#[inline(always)]
+fn set_spare<A>(s: &mut CtScratch<A>, port: u16) {
+    // SAFETY: as above.
+    unsafe { core::ptr::write_volatile(&mut s.spare, port as u32) }
 }

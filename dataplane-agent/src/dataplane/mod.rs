@@ -395,6 +395,7 @@ impl Datapath {
             // cannot be copied in batches: one size for every node.
             .map_max_entries(names::LB6_SOURCE_RANGES, limits::SOURCE_RANGE_ENTRIES)
             .map_max_entries(names::SOCK6_REVNAT, v6(limits::SOCK_REVNAT_ENTRIES))
+            .map_max_entries(names::SNAT6_CLOSED, v6(limits::SNAT_CLOSED_ENTRIES))
             .load(EBPF_OBJECT)?;
         for name in [names::XDP_INGRESS, names::XDP_FLOOR]
             .into_iter()

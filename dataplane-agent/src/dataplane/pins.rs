@@ -131,6 +131,8 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         names::COUNTERS | names::SERVICE_STATS | names::FLOW_STATS => s(4, size_of::<Counter>()),
         names::ADDR_FILTER | names::HINT_DEVICES => s(4, 8),
         names::SNAT_CURSORS => s(4, size_of::<dataplane_common::ct::SnatCursor>()),
+        names::SNAT4_CLOSED => s(size_of::<Ct4Key>(), size_of::<dataplane_common::ct::SnatClosed>()),
+        names::SNAT6_CLOSED => s(size_of::<Ct6Key>(), size_of::<dataplane_common::ct::SnatClosed>()),
         names::LB4_SERVICE_NAMES => s(4, size_of::<Lb4ServiceName>()),
         names::SOCK4_REVNAT => s(size_of::<Sock4RevKey>(), size_of::<Sock4RevValue>()),
         names::LB_MAGLEV => s(
@@ -452,6 +454,11 @@ pub fn sized_maps(opts: &super::LoadOptions) -> Vec<(&'static str, u32, &'static
                 names::SOCK6_REVNAT,
                 dataplane_common::limits::SOCK_REVNAT_ENTRIES,
                 "connect-time translations",
+            ),
+            (
+                names::SNAT6_CLOSED,
+                dataplane_common::limits::SNAT_CLOSED_ENTRIES,
+                "closed SNAT tuples",
             ),
         ]);
     }
