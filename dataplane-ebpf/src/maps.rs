@@ -83,7 +83,8 @@ pub static CT4_ASSURED: HashMap<Ct4Key, Ct4Entry> =
 /// An LRU: the oldest closures go first, and a port whose closure was
 /// forgotten is simply free again.
 #[map(name = "SNAT4_CLOSED_V1")]
-pub static SNAT4_CLOSED: LruHashMap<Ct4Key, SnatClosed> = LruHashMap::with_max_entries(limits::SNAT_CLOSED_ENTRIES, 0);
+pub static SNAT4_CLOSED: LruHashMap<Ct4Key, SnatClosed> =
+    LruHashMap::with_max_entries(limits::SNAT_CLOSED_ENTRIES, 0);
 
 /// Per CPU and backend id: the SNAT port search's state.
 #[map(name = "DP_SNAT_CURSORS_V2")]
@@ -155,7 +156,8 @@ pub static CT6_ASSURED: HashMap<Ct6Key, Ct6Entry> =
     HashMap::with_max_entries(limits::CT_ENTRIES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
 
 #[map(name = "SNAT6_CLOSED_V1")]
-pub static SNAT6_CLOSED: LruHashMap<Ct6Key, SnatClosed> = LruHashMap::with_max_entries(limits::SNAT_CLOSED_ENTRIES, 0);
+pub static SNAT6_CLOSED: LruHashMap<Ct6Key, SnatClosed> =
+    LruHashMap::with_max_entries(limits::SNAT_CLOSED_ENTRIES, 0);
 
 #[map(name = "SOCK6_REVNAT_V1")]
 pub static SOCK_REVNAT6: LruHashMap<Sock6RevKey, Sock6RevValue> =

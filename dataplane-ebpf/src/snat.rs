@@ -14,8 +14,8 @@
 //! client's) closed with FINs less than `ct::TCP_TIME_WAIT_NS` ago is held
 //! (its backend may keep the tuple in TIME_WAIT), whether conntrack still
 //! has that flow or only `SNAT*_CLOSED` remembers its closure: the search
-//! passes over up to two held ports and takes the first of them only when
-//! it found no free one (where two are held, the range most likely is). Only when every port tried is
+//! passes over held ports and takes the first of them only when none of its
+//! `SNAT_ATTEMPTS` tries found a free one. Only when every port tried is
 //! held by a live flow does a new flow find nothing (after `SNAT_ATTEMPTS`
 //! tries; then the backend is spared the search for `SNAT_BACKOFF_MS`).
 
@@ -132,12 +132,13 @@ fn search<F: Family>(
         }
         if outcome == Claim::TimeWait {
             stats::count_flow(FlowStat::SnatTimeWaitHeld);
-            // The second held port: the rest of the range most likely is
-            // held too.
-            if spare(s) != 0 {
-                break;
+            if spare(s) == 0 {
+                set_spare(s, port);
             }
-            set_spare(s, port);
+            // Likely the trail of another CPU's cursor (its ports, closed
+            // since): the search goes on elsewhere in the range.
+            // SAFETY: helper without arguments.
+            next = unsafe { bpf_get_prandom_u32() };
         } else {
             stats::count_flow(FlowStat::SnatPortsBusy);
         }

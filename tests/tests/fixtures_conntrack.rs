@@ -429,7 +429,11 @@ fn a_port_another_client_closed_is_held_for_time_wait() {
         .expect("a client port hashing alike among 1000");
     let held = stat(&dp, FlowStat::SnatTimeWaitHeld);
     let b = connect(&dp, other);
-    assert_ne!(b.seen_as.port(), port, "held for TIME_WAIT after conntrack forgot it");
+    assert_ne!(
+        b.seen_as.port(),
+        port,
+        "held for TIME_WAIT after conntrack forgot it"
+    );
     assert!(stat(&dp, FlowStat::SnatTimeWaitHeld) > held);
 
     // The same client port reopens its own tuple (TIME_WAIT accepts it).
@@ -449,7 +453,11 @@ fn a_port_another_client_closed_is_held_for_time_wait() {
     assert_eq!(stat(&dp, FlowStat::SnatTimeWaitReuse), reused + 1);
     assert_eq!(drops(&dp), 0, "not a drop");
     // Still live flows only: exhausted, as before.
-    let (v, _) = run_as(&dp, XDP, &Frame::tcp(client(6, 40_000), sa(NODE, 30080), TCP_SYN).build());
+    let (v, _) = run_as(
+        &dp,
+        XDP,
+        &Frame::tcp(client(6, 40_000), sa(NODE, 30080), TCP_SYN).build(),
+    );
     assert_eq!(v, XDP.drop, "every port held by a live flow");
     assert_eq!(drops(&dp), 1);
 }
