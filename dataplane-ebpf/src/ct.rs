@@ -430,6 +430,19 @@ fn assure_entry<F: Family>(s: &mut CtScratch<F::A>, e: *mut CtEntry<F::A>) {
         s.b.nat_dport,
         s.key.proto,
     );
+    // A closed connection's sub-entry copy goes with its entry's (the
+    // sub-entry has no state of its own to close it: left alone, every
+    // closed explicit flow would keep two copies until they expired, and
+    // filled the table).
+    if s.b.tcp_closed() {
+        if let Some(c) = F::ct_assured().get_ptr(&s.key)
+            // SAFETY: a map value pointer, valid for this run.
+            && translates_to(unsafe { &*c }, &s.b.nat_saddr, s.b.nat_sport, &s.b.nat_daddr, s.b.nat_dport)
+        {
+            let _ = F::ct_assured().remove(&s.key);
+        }
+        return;
+    }
     if let Some(sub) = F::ct().get_ptr_mut(&s.key)
         // SAFETY: a map value pointer, valid for this run.
         && translates_to(unsafe { &*sub }, &s.b.nat_saddr, s.b.nat_sport, &s.b.nat_daddr, s.b.nat_dport)
