@@ -242,10 +242,10 @@ pub struct SnatCursor {
 crate::assert_layout!(SnatCursor, 8, 4);
 crate::impl_pod!(SnatCursor);
 
-/// A masqueraded TCP flow that closed with a FIN each way, by its `REP_IN`
-/// key (backend → node : SNAT port): when, and whose it was. Its backend
-/// may hold the tuple in TIME_WAIT (60 s on Linux) if it closed first; a
-/// SYN from another client on that tuple, whose sequence numbers and
+/// A masqueraded TCP flow whose backend closed it first (FIN, then the
+/// client's FIN), by its `REP_IN` key (backend → node : SNAT port): when,
+/// and whose it was. The backend holds the tuple in TIME_WAIT (60 s on
+/// Linux); a SYN from another client on that tuple, whose sequence numbers and
 /// timestamps bear no relation to the old connection's, may then be
 /// answered with an ACK of the old one. Kept apart from conntrack, whose
 /// entries a busy node turns over in seconds.

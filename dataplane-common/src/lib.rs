@@ -47,10 +47,10 @@ pub mod names {
     /// ([`crate::ct::SnatCursor`]: where the fallback search resumes, and
     /// until when a backend found exhausted is not searched again).
     pub const SNAT_CURSORS: &str = "DP_SNAT_CURSORS_V2";
-    /// SNAT tuples whose TCP flow closed with a FIN each way, and when
-    /// ([`crate::ct::SnatClosed`]): a backend that closed first may hold
-    /// such a tuple in TIME_WAIT, so the port is not given to another
-    /// client for a while, even after conntrack evicted the flow (an LRU).
+    /// SNAT tuples whose TCP flow the backend closed first, and when
+    /// ([`crate::ct::SnatClosed`]): the backend holds such a tuple in
+    /// TIME_WAIT, so the port is not given to another client for a while,
+    /// even after conntrack evicted the flow (an LRU).
     pub const SNAT4_CLOSED: &str = "SNAT4_CLOSED_V1";
     /// Per-CPU array of [`crate::stats::Counter`] indexed by
     /// [`crate::stats::FlowStat`]: what new flows needed.

@@ -283,13 +283,13 @@ pub enum FlowStat {
     /// by the agent alone, as above.
     CtCollected = 25,
     /// New masqueraded flows given a port although another client's flow
-    /// closed on it less than 120 s ago (its backend may hold the tuple in
-    /// TIME_WAIT): no free port among those tried. Each may stall if the
-    /// backend closed that connection first.
+    /// on it was closed by its backend first less than 120 s ago (the
+    /// backend holds the tuple in TIME_WAIT): no free port among those
+    /// tried. Each may stall.
     SnatTimeWaitReuse = 26,
     /// Ports a new masqueraded flow passed over because another client's
-    /// flow closed on them less than 120 s ago (netfilter keeps such a
-    /// tuple in TIME_WAIT): counted per port.
+    /// flow on them was closed by its backend first less than 120 s ago
+    /// (netfilter keeps such a tuple in TIME_WAIT): counted per port.
     SnatTimeWaitHeld = 27,
 }
 

@@ -80,24 +80,14 @@ pub fn expired<A: Addr>(cfg: &DpConfig, proto: u8, e: &CtEntry<A>, now: u64) -> 
     now.saturating_sub(e.last_seen_ns) > timeout_ns(cfg, proto, e)
 }
 
-/// How long a port whose TCP flow ended with a FIN each way is not given to
-/// another client: netfilter's TIME_WAIT timeout. The backend may hold the
-/// tuple (backend ↔ node : port) in TIME_WAIT for 60 s if it closed first,
+/// How long a port whose TCP flow its backend closed first is not given to
+/// another client: netfilter's TIME_WAIT timeout. The backend holds the
+/// tuple (backend ↔ node : port) in TIME_WAIT (60 s on Linux),
 /// and a SYN from another client on that tuple, whose sequence numbers and
 /// timestamps bear no relation to the old ones, is then answered with an
 /// ACK of the old connection instead of a SYN-ACK: the new connection
 /// stalls until the client retransmits past it, or fails.
 pub const TCP_TIME_WAIT_NS: u64 = 120 * NS_PER_S;
-
-/// Whether `e`'s TCP flow closed with a FIN each way (not a RST) less than
-/// [`TCP_TIME_WAIT_NS`] ago: its backend may still hold the tuple.
-#[inline(always)]
-pub fn in_time_wait<A: Addr>(proto: u8, e: &CtEntry<A>, now: u64) -> bool {
-    proto == proto::TCP
-        && e.tcp_closed()
-        && !e.has(state::RST)
-        && now.saturating_sub(e.last_seen_ns) < TCP_TIME_WAIT_NS
-}
 
 /// Whether a new flow may take the entry's tuple over: it expired, or its
 /// TCP connection has ended.
@@ -314,21 +304,17 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
         s.a.nat_sport,
         key.proto,
     );
-    // A masqueraded TCP flow this packet closed (its second FIN, no RST):
-    // its SNAT tuple's closure is remembered by the `REP_IN` key (this
-    // entry's, or the other's when this is `FWD_IN`).
-    let fins = (1 << state::FIN_FWD) | (1 << state::FIN_REP);
-    if news & fins != 0
+    // A masqueraded TCP flow the client's FIN closed after the backend's
+    // (no RST): the backend closed first and holds the tuple in TIME_WAIT,
+    // so its closure is remembered by the `REP_IN` key (the other state
+    // entry's, `s.key`). A backend that closed second holds nothing.
+    if forward
+        && news & (1 << state::FIN_FWD) != 0
         && s.a.flags & ct_flags::SNAT != 0
-        && (s.a.state[state::FIN_FWD] | facts[state::FIN_FWD]) != 0
-        && (s.a.state[state::FIN_REP] | facts[state::FIN_REP]) != 0
+        && s.a.state[state::FIN_REP] != 0
         && (s.a.state[state::RST] | facts[state::RST]) == 0
     {
-        match s.a.role() {
-            ct_flags::REP_IN => remember_closed::<F>(key, s.a.nat_daddr.fold(), s.a.nat_dport, now),
-            ct_flags::FWD_IN => remember_closed::<F>(&s.key, key.saddr.fold(), key.sport, now),
-            _ => {}
-        }
+        remember_closed::<F>(&s.key, key.saddr.fold(), key.sport, now);
     }
     if let Some(o) = get::<F>(&s.key)
         // SAFETY: a map value pointer, valid for this run.
@@ -352,7 +338,7 @@ fn touch_flow<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp
 
 /// Remembers that the masqueraded TCP flow whose `REP_IN` key is `rep_in`
 /// (backend → node : SNAT port), from `client` (folded) : `client_port`,
-/// closed with a FIN each way at `now` (`SNAT*_CLOSED`, see
+/// was closed by its backend first, at `now` (`SNAT*_CLOSED`, see
 /// [`closed_recently`]).
 #[inline(never)]
 fn remember_closed<F: Family>(rep_in: &CtKey<F::A>, client: u32, client_port: u16, now: u64) {
@@ -366,9 +352,10 @@ fn remember_closed<F: Family>(rep_in: &CtKey<F::A>, client: u32, client_port: u1
 }
 
 /// Whether the SNAT tuple `key` (a `REP_IN` key) belonged to a TCP flow of
-/// another client than `flow`'s (any client when `None`) that closed with
-/// FINs less than [`TCP_TIME_WAIT_NS`] ago: remembered apart from
-/// conntrack, whose LRU may have evicted that flow's entries long before.
+/// another client than `flow`'s (any client when `None`) whose backend
+/// closed it first, less than [`TCP_TIME_WAIT_NS`] ago: remembered apart
+/// from conntrack, whose LRU may have evicted that flow's entries long
+/// before.
 #[inline(never)]
 fn closed_recently<F: Family>(key: &CtKey<F::A>, flow: Option<&CtKey<F::A>>, now: u64) -> bool {
     if key.proto != proto::TCP {
@@ -784,9 +771,10 @@ fn same_frontend<A: Addr>(e: &CtEntry<A>, t: &CtKey<A>) -> bool {
 /// (a masqueraded flow claiming its hashed port), a holder from the same
 /// client address and port is that flow's tuple (see [`clear_tuple`]):
 /// taken over if closed or through the same frontend, a clash otherwise.
-/// With `hold_time_wait`, another client's flow that closed with FINs less
-/// than [`TCP_TIME_WAIT_NS`] ago keeps its key ([`Claim::TimeWait`]),
-/// whether conntrack still holds it or only [`closed_recently`] remembers.
+/// With `hold_time_wait`, a key whose last flow (another client's) its
+/// backend closed first less than [`TCP_TIME_WAIT_NS`] ago stays with it
+/// ([`Claim::TimeWait`]), whether conntrack still holds that flow or not
+/// ([`closed_recently`]).
 #[inline(always)]
 pub fn claim<F: Family>(
     cfg: &DpConfig,
@@ -809,10 +797,10 @@ pub fn claim<F: Family>(
         match tuple {
             Some(t) if !free && !same_frontend(old, t) => return Claim::Clash,
             None if !free => return Claim::Busy,
-            // Another client's flow, closed moments ago: its backend may
-            // hold the tuple in TIME_WAIT (unless the caller gives up on
-            // finding another port).
-            None if hold_time_wait && in_time_wait(key.proto, old, now) => return Claim::TimeWait,
+            // Another client's flow, closed moments ago by its backend
+            // first: the backend holds the tuple in TIME_WAIT (unless the
+            // caller gives up on finding another port).
+            None if hold_time_wait && closed_recently::<F>(key, flow, now) => return Claim::TimeWait,
             _ => {}
         }
         remove::<F>(key);
@@ -844,8 +832,8 @@ pub enum Claim {
     Busy,
     /// A live flow of the same client port through another frontend.
     Clash,
-    /// Another client's flow that closed less than [`TCP_TIME_WAIT_NS`]
-    /// ago (see [`in_time_wait`]).
+    /// Another client's flow that its backend closed first, less than
+    /// [`TCP_TIME_WAIT_NS`] ago (see [`closed_recently`]).
     TimeWait,
 }
 

@@ -50,7 +50,8 @@ pub trait Family: 'static {
     fn ct() -> &'static LruHashMap<CtKey<Self::A>, CtEntry<Self::A>>;
     /// Copies of assured flows' entries (never evicts).
     fn ct_assured() -> &'static HashMap<CtKey<Self::A>, CtEntry<Self::A>>;
-    /// Masqueraded TCP flows closed with FINs, by `REP_IN` key (LRU).
+    /// Masqueraded TCP flows their backend closed first, by `REP_IN` key
+    /// (LRU).
     fn snat_closed() -> &'static LruHashMap<CtKey<Self::A>, SnatClosed>;
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::A>>;
     fn ct_peek() -> &'static PerCpuArray<CtEntry<Self::A>>;

@@ -78,8 +78,9 @@ pub static CT4: LruHashMap<Ct4Key, Ct4Entry> = LruHashMap::with_max_entries(limi
 pub static CT4_ASSURED: HashMap<Ct4Key, Ct4Entry> =
     HashMap::with_max_entries(limits::CT_ENTRIES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
 
-/// Masqueraded TCP flows closed with FINs, by their `REP_IN` key: their
-/// SNAT ports are held back from other clients for TIME_WAIT (`snat`).
+/// Masqueraded TCP flows their backend closed first, by their `REP_IN`
+/// key: their SNAT ports are held back from other clients for TIME_WAIT
+/// (`snat`).
 /// An LRU: the oldest closures go first, and a port whose closure was
 /// forgotten is simply free again.
 #[map(name = "SNAT4_CLOSED_V1")]

@@ -112,9 +112,11 @@ fn the_agent_readme_names_every_module() {
 fn map_names(text: &str) -> BTreeSet<String> {
     text.split(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))
         .filter(|w| {
-            ["DP_", "LB_", "LB4_", "LB6_", "CT4", "CT6", "SOCK4_", "SOCK6_"]
-                .iter()
-                .any(|p| w.starts_with(p))
+            [
+                "DP_", "LB_", "LB4_", "LB6_", "CT4", "CT6", "SOCK4_", "SOCK6_", "SNAT4_", "SNAT6_",
+            ]
+            .iter()
+            .any(|p| w.starts_with(p))
                 && w.rsplit_once("_V")
                     .is_some_and(|(_, v)| !v.is_empty() && v.chars().all(|c| c.is_ascii_digit()))
         })

@@ -370,27 +370,36 @@ fn udp_flows_are_assured_once_answered_and_still_flowing() {
     assert_eq!(parse_and_verify(&out).src_addr(), frontend);
 }
 
-/// The masqueraded connection of `c` closed with a FIN each way, the
-/// client's first (the backend's closes it), through ingress and egress.
-fn close(dp: &Datapath, c: &Conn) {
+/// The masqueraded connection of `c` closed with a FIN each way, through
+/// ingress and egress: the backend's first (it then holds the tuple in
+/// TIME_WAIT) or the client's.
+fn close(dp: &Datapath, c: &Conn, backend_first: bool) {
     let frontend = sa(NODE, 30080);
-    let (v, _) = through(dp, &Frame::tcp(c.client, frontend, TCP_FIN | TCP_ACK).build());
-    assert_eq!(v, XDP.pass, "{}: FIN", c.client);
+    let client_fin = || {
+        let (v, _) = through(dp, &Frame::tcp(c.client, frontend, TCP_FIN | TCP_ACK).build());
+        assert_eq!(v, XDP.pass, "{}: FIN", c.client);
+    };
+    if !backend_first {
+        client_fin();
+    }
     let (_, out) = through(dp, &Frame::tcp(c.backend, c.seen_as, TCP_FIN | TCP_ACK).build());
     let o = parse_and_verify(&out);
     assert_eq!((o.src_addr(), o.dst_addr()), (frontend, c.client), "FIN back");
+    if backend_first {
+        client_fin();
+    }
 }
 
-/// A masqueraded connection closed with a FIN each way holds its SNAT port
-/// for TIME_WAIT (its backend, had it closed first, would answer another
-/// client's SYN on that tuple with an ACK of the old connection): another
-/// client whose hashed port it is gets another port, also once conntrack
-/// forgot the closed flow (as a busy node's LRU does within seconds); the
-/// same client port reopening its tuple gets it back; and when every other
-/// port is held by a live flow, the held port is taken after all instead
-/// of dropping the flow.
+/// A masqueraded connection its backend closed first holds its SNAT port
+/// for TIME_WAIT (the backend would answer another client's SYN on that
+/// tuple with an ACK of the old connection): another client whose hashed
+/// port it is gets another port, also once conntrack forgot the closed
+/// flow (as a busy node's LRU does within seconds); the same client port
+/// reopening its tuple gets it back; when every other port is held by a
+/// live flow, the held port is taken after all instead of dropping the
+/// flow. A connection the client closed first holds nothing.
 #[test]
-fn a_port_another_client_closed_is_held_for_time_wait() {
+fn a_port_whose_backend_closed_first_is_held_for_time_wait() {
     let svc = TestService::new(1, "web", Protocol::Tcp, 80)
         .node_port(30080)
         .endpoint(TestEndpoint::ready(POD, 8080, 1));
@@ -407,6 +416,13 @@ fn a_port_another_client_closed_is_held_for_time_wait() {
             cfg.snat_port_max,
         )
     };
+    // A client port among 1000 of host `i` whose SNAT port hashes to `port`.
+    let hashing_to = |i: u32, port: u16| {
+        (40_000..41_000)
+            .map(|p| client(i, p))
+            .find(|c| hashed(*c) == port)
+            .expect("a client port hashing alike among 1000")
+    };
     let stat = |dp: &Datapath, s| flow_stat(dp, s);
     let drops = |dp: &Datapath| {
         dp.maps()
@@ -414,49 +430,52 @@ fn a_port_another_client_closed_is_held_for_time_wait() {
             .unwrap()
             .packets
     };
+    // Conntrack forgets every flow (the LRU would evict them).
+    let forget = |dp: &mut Datapath| dp.maps_mut().v4_mut().purge_conntrack(|_, _| true).unwrap();
 
+    // Closed by the client first: the port is free for another client.
     let a = connect(&dp, client(1, 40_000));
     let port = hashed(a.client);
     assert_eq!(a.seen_as.port(), port, "a free hashed port");
-    close(&dp, &a);
-    // Conntrack forgets the closed flow (the LRU would evict it).
-    dp.maps_mut().v4_mut().purge_conntrack(|_, _| true).unwrap();
+    close(&dp, &a, false);
+    forget(&mut dp);
+    let b = connect(&dp, hashing_to(2, port));
+    assert_eq!(b.seen_as.port(), port, "the client closed first: not held");
+    assert_eq!(stat(&dp, FlowStat::SnatTimeWaitHeld), 0);
 
-    // Another client whose port hashes alike: passed over.
-    let other = (40_000..41_000)
-        .map(|p| client(2, p))
-        .find(|c| hashed(*c) == port)
-        .expect("a client port hashing alike among 1000");
-    let held = stat(&dp, FlowStat::SnatTimeWaitHeld);
-    let b = connect(&dp, other);
+    // Closed by the backend first: held from another client.
+    close(&dp, &b, true);
+    forget(&mut dp);
+    let c = connect(&dp, hashing_to(3, port));
     assert_ne!(
-        b.seen_as.port(),
+        c.seen_as.port(),
         port,
         "held for TIME_WAIT after conntrack forgot it"
     );
-    assert!(stat(&dp, FlowStat::SnatTimeWaitHeld) > held);
+    assert_eq!(stat(&dp, FlowStat::SnatTimeWaitHeld), 1);
 
     // The same client port reopens its own tuple (TIME_WAIT accepts it).
-    let a = connect(&dp, a.client);
-    assert_eq!(a.seen_as.port(), port, "the closed flow's own client");
-    close(&dp, &a);
+    let b = connect(&dp, b.client);
+    assert_eq!(b.seen_as.port(), port, "the closed flow's own client");
+    close(&dp, &b, true);
 
-    // The two other ports taken by live flows; then a new client finds
-    // only the held port and takes it.
-    let live: Vec<Conn> = (3..5).map(|i| connect(&dp, client(i, 40_000))).collect();
-    for c in &live {
-        assert_ne!(c.seen_as.port(), port, "{}: a free port first", c.client);
+    // The two other ports taken by live flows (held while conntrack has
+    // the closed flow too); then a new client finds only the held port and
+    // takes it.
+    let live: Vec<Conn> = (4..6).map(|i| connect(&dp, client(i, 40_000))).collect();
+    for l in &live {
+        assert_ne!(l.seen_as.port(), port, "{}: a free port first", l.client);
     }
     let reused = stat(&dp, FlowStat::SnatTimeWaitReuse);
-    let c = connect(&dp, client(5, 40_000));
-    assert_eq!(c.seen_as.port(), port, "the held port after all");
+    let d = connect(&dp, client(6, 40_000));
+    assert_eq!(d.seen_as.port(), port, "the held port after all");
     assert_eq!(stat(&dp, FlowStat::SnatTimeWaitReuse), reused + 1);
     assert_eq!(drops(&dp), 0, "not a drop");
-    // Still live flows only: exhausted, as before.
+    // Live flows only: exhausted, as before.
     let (v, _) = run_as(
         &dp,
         XDP,
-        &Frame::tcp(client(6, 40_000), sa(NODE, 30080), TCP_SYN).build(),
+        &Frame::tcp(client(7, 40_000), sa(NODE, 30080), TCP_SYN).build(),
     );
     assert_eq!(v, XDP.drop, "every port held by a live flow");
     assert_eq!(drops(&dp), 1);
