@@ -287,9 +287,9 @@ pub enum FlowStat {
     /// backend holds the tuple in TIME_WAIT): no free port among those
     /// tried. Each may stall.
     SnatTimeWaitReuse = 26,
-    /// Ports a new masqueraded flow passed over because another client's
-    /// flow on them was closed by its backend first less than 120 s ago
-    /// (netfilter keeps such a tuple in TIME_WAIT): counted per port.
+    /// New masqueraded flows whose hashed port was passed over because
+    /// another client's flow on it was closed by its backend first less
+    /// than 120 s ago (netfilter keeps such a tuple in TIME_WAIT).
     SnatTimeWaitHeld = 27,
 }
 
