@@ -285,7 +285,7 @@ pub enum FlowStat {
     /// New masqueraded flows given a port although another client's flow
     /// on it was closed by its backend first less than 120 s ago (the
     /// backend holds the tuple in TIME_WAIT): no free port among those
-    /// tried. Each may stall.
+    /// tried (or, in a backoff, the hashed port alone). Each may stall.
     SnatTimeWaitReuse = 26,
     /// New masqueraded flows whose hashed port was passed over because
     /// another client's flow on it was closed by its backend first less

@@ -458,9 +458,9 @@ fn assure_entry<F: Family>(s: &mut CtScratch<F::A>, e: *mut CtEntry<F::A>) {
 fn promote_entry<F: Family>(s: &mut CtScratch<F::A>, e: *mut CtEntry<F::A>) {
     copy_entry(&mut s.b, e);
     // A closed TCP connection needs no protection any more: its copy goes
-    // (the entry stays in the LRU, closed, for a reopening client and the
-    // SNAT port's TIME_WAIT hold), so that the assured table holds live
-    // connections only and a closed flow is never put back.
+    // (the entry stays in the LRU, closed, for a reopening client; the SNAT
+    // port's TIME_WAIT hold is `SNAT*_CLOSED`'s), so that the assured table
+    // holds live connections only and a closed flow is never put back.
     if s.b.tcp_closed() {
         let _ = F::ct_assured().remove(&s.key);
         return;
