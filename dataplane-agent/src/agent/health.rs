@@ -29,6 +29,9 @@ pub struct HealthState {
     /// The devices the datapath is attached to and why, for
     /// `dataplane-agent inspect interfaces` (`/debug/interfaces`).
     pub interfaces: serde_json::Value,
+    /// The BGP speaker's state, when BGP is on: a `bgp` detail field of
+    /// `/healthz` (the status code keeps kube-proxy's meaning).
+    pub bgp: Option<crate::lb::bgp::SharedStatus>,
 }
 
 pub type SharedHealth = Arc<Mutex<HealthState>>;
@@ -54,7 +57,7 @@ pub fn proxy_health(state: &HealthState, sync_period: Duration, check_node: bool
     let healthy = fresh && (!check_node || state.node_eligible);
     let last = state.last_sync.map(rfc3339).unwrap_or_default();
     let body = if check_node {
-        let detail = if state.unreachable_local_endpoints.is_empty() {
+        let mut detail = if state.unreachable_local_endpoints.is_empty() {
             String::new()
         } else {
             format!(
@@ -62,6 +65,10 @@ pub fn proxy_health(state: &HealthState, sync_period: Duration, check_node: bool
                 serde_json::to_string(&state.unreachable_local_endpoints).unwrap_or_default()
             )
         };
+        if let Some(bgp) = &state.bgp {
+            let bgp = serde_json::to_string(&*bgp.lock().expect("bgp status")).unwrap_or_default();
+            detail.push_str(&format!(",\"bgp\":{bgp}"));
+        }
         format!(
             "{{\"lastUpdated\":\"{last}\",\"currentTime\":\"{}\",\"nodeEligible\":{}{detail}}}",
             rfc3339(now),

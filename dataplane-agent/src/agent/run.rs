@@ -286,6 +286,9 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         metrics.clone(),
     )
     .context("starting the load-balancer controllers")?;
+    if let Some(bgp) = _lb.as_ref().and_then(|l| l.bgp_status()) {
+        health.lock().expect("health").bgp = Some(bgp);
+    }
 
     let control = ControlLoop {
         node_name: cfg.node_name.clone(),

@@ -36,7 +36,7 @@ use super::{
     EXCLUDE_LABEL, L2_IP_ANNOTATION, L2_LEASE_LABEL, L2_LEASE_PREFIX,
     cache::Shared,
     lease::{Action, Candidate, Intent, LeaseTiming, execute},
-    request::{ClassFilter, ingress_ips},
+    request::{ClassFilter, ingress_ips, with_ready_endpoint_on},
     responder::Responder,
 };
 use crate::agent::metrics::SharedMetrics;
@@ -78,20 +78,7 @@ pub fn eligibility<'a>(
     let excluded = node
         .and_then(|n| n.metadata.labels.as_ref())
         .is_some_and(|l| l.contains_key(EXCLUDE_LABEL));
-    // (namespace, service) with a ready endpoint on this node.
-    let local: BTreeSet<(String, String)> = slices
-        .into_iter()
-        .filter(|s| {
-            s.endpoints.iter().any(|e| {
-                e.node_name.as_deref() == Some(node_name)
-                    && e.conditions.as_ref().and_then(|c| c.ready) != Some(false)
-            })
-        })
-        .filter_map(|s| {
-            let svc = s.metadata.labels.as_ref()?.get("kubernetes.io/service-name")?;
-            Some((s.metadata.namespace.clone().unwrap_or_default(), svc.clone()))
-        })
-        .collect();
+    let local = with_ready_endpoint_on(slices, node_name);
     let mut out: BTreeMap<IpAddr, bool> = BTreeMap::new();
     for svc in services.into_iter().filter(|s| classes.owns(s)) {
         let local_only = svc

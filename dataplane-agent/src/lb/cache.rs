@@ -1,6 +1,6 @@
 //! What the load-balancer controllers watch, kept apart from the agent's
-//! store (the sync loop's): Services, pools, EndpointSlices, this Node and
-//! the L2 Leases, each a kube-rs watcher feeding a [`Cache`]. Every change
+//! store (the sync loop's): Services, pools, EndpointSlices, this Node, the
+//! L2 Leases and the BGP objects, each a kube-rs watcher feeding a [`Cache`]. Every change
 //! bumps a `tokio::sync::watch` counter the controllers wait on; they read
 //! the whole picture each time (level-triggered).
 
@@ -23,7 +23,7 @@ use kube::{
 use serde::de::DeserializeOwned;
 use tracing::{info, warn};
 
-use super::crd::LoadBalancerIPPool;
+use super::crd::{BgpAdvertisement, BgpPeer, LoadBalancerIPPool};
 
 /// The objects of one watch, by namespace/name (`/name` when
 /// cluster-scoped).
@@ -102,6 +102,8 @@ pub struct Watched {
     pub slices: Cache<EndpointSlice>,
     pub nodes: Cache<Node>,
     pub leases: Cache<Lease>,
+    pub bgp_peers: Cache<BgpPeer>,
+    pub bgp_advertisements: Cache<BgpAdvertisement>,
 }
 
 pub type Shared = Arc<Mutex<Watched>>;

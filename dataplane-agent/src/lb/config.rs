@@ -41,6 +41,17 @@ pub struct LbArgs {
     /// address per period).
     #[arg(long, value_name = "MS")]
     pub l2_lease_renew_ms: Option<u64>,
+    /// Announce the addresses to BGP routers through the BIRD speaker
+    /// beside the agent, as the BGPPeer and BGPAdvertisement objects say;
+    /// needs `--source kubernetes`.
+    #[arg(long)]
+    pub bgp: bool,
+    /// The configuration file the agent renders for BIRD (`bird -c`).
+    #[arg(long, value_name = "PATH")]
+    pub bgp_config: Option<std::path::PathBuf>,
+    /// BIRD's control socket (`bird -s`).
+    #[arg(long, value_name = "PATH")]
+    pub bgp_socket: Option<std::path::PathBuf>,
 }
 
 /// The config file's `loadBalancer:` section.
@@ -55,11 +66,14 @@ pub struct LbConfigFile {
     pub l2_interfaces: Option<Vec<String>>,
     pub l2_lease_duration_seconds: Option<u64>,
     pub l2_lease_renew_ms: Option<u64>,
+    pub bgp: Option<bool>,
+    pub bgp_config_path: Option<std::path::PathBuf>,
+    pub bgp_socket: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum LbConfigError {
-    #[error("--lb-ipam and --l2-announce need --source kubernetes")]
+    #[error("--lb-ipam, --l2-announce and --bgp need --source kubernetes")]
     NeedsKubernetes,
     #[error(
         "the L2 lease renew period ({renew_ms} ms) must be at least 100 ms and shorter than the lease duration ({duration_s} s)"
@@ -123,7 +137,17 @@ pub fn resolve(
         renew_period: Duration::from_millis(renew_ms),
         renew_deadline: None,
     };
-    if (cfg.ipam || cfg.l2_announce) && !kubernetes {
+    if args.bgp || file.bgp.unwrap_or(false) {
+        let defaults = super::bgp::BgpConfig::default();
+        cfg.bgp = Some(super::bgp::BgpConfig {
+            config_path: args
+                .bgp_config
+                .or(file.bgp_config_path)
+                .unwrap_or(defaults.config_path),
+            socket: args.bgp_socket.or(file.bgp_socket).unwrap_or(defaults.socket),
+        });
+    }
+    if (cfg.ipam || cfg.l2_announce || cfg.bgp.is_some()) && !kubernetes {
         return Err(LbConfigError::NeedsKubernetes);
     }
     Ok(cfg)
@@ -158,7 +182,25 @@ mod tests {
         assert_eq!(cfg.l2_lease.renew_period, Duration::from_millis(500));
 
         let off = resolve(LbArgs::default(), None, false).unwrap();
-        assert!(!off.ipam && !off.l2_announce);
+        assert!(!off.ipam && !off.l2_announce && off.bgp.is_none());
+        let bgp = LbConfigFile {
+            bgp: Some(true),
+            bgp_socket: Some("/run/bird.ctl".into()),
+            ..Default::default()
+        };
+        let cfg = resolve(LbArgs::default(), Some(bgp.clone()), true)
+            .unwrap()
+            .bgp
+            .unwrap();
+        assert_eq!(cfg.socket, std::path::Path::new("/run/bird.ctl"));
+        assert_eq!(
+            cfg.config_path,
+            std::path::Path::new(crate::lb::bgp::DEFAULT_CONFIG)
+        );
+        assert_eq!(
+            resolve(LbArgs::default(), Some(bgp), false).unwrap_err(),
+            LbConfigError::NeedsKubernetes
+        );
         assert_eq!(off.classes.class, DEFAULT_CLASS);
         let needs = LbArgs {
             lb_ipam: true,

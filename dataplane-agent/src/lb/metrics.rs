@@ -38,6 +38,8 @@ pub struct LbMetrics {
     pub l2_releases: u64,
     pub lease_errors: u64,
     pub responder: Option<Arc<Counters>>,
+    /// The BGP speaker's state, when BGP is on.
+    pub bgp: Option<super::bgp::SharedStatus>,
 }
 
 impl Default for LbMetrics {
@@ -56,6 +58,7 @@ impl Default for LbMetrics {
             l2_releases: 0,
             lease_errors: 0,
             responder: None,
+            bgp: None,
         }
     }
 }
@@ -164,6 +167,82 @@ impl LbMetrics {
             "dataplane_l2_send_errors",
             "ARP/NDP frames that could not be sent",
             load(|c| &c.send_errors),
-        )
+        )?;
+        match &self.bgp {
+            Some(s) => encode_bgp(enc, &s.lock().expect("bgp status")),
+            None => Ok(()),
+        }
     }
+}
+
+fn encode_bgp(enc: &mut DescriptorEncoder, s: &super::bgp::Status) -> Fmt {
+    gauge(
+        enc,
+        "dataplane_bgp_speaker_up",
+        "1 when the BGP speaker (BIRD) answered the last poll on its control socket",
+        u64::from(s.speaker_up),
+    )?;
+    family(
+        enc,
+        "dataplane_bgp_session_up",
+        "1 when the BGP session with the peer is established",
+        MetricType::Gauge,
+        s.sessions.iter().map(|x| {
+            (
+                vec![("peer", x.peer.as_str()), ("state", x.state.as_str())],
+                u64::from(x.up()),
+            )
+        }),
+        const_gauge,
+    )?;
+    family(
+        enc,
+        "dataplane_bgp_routes_exported",
+        "Prefixes the speaker exports to the peer",
+        MetricType::Gauge,
+        s.sessions
+            .iter()
+            .map(|x| (vec![("peer", x.peer.as_str())], x.exported)),
+        const_gauge,
+    )?;
+    gauge(
+        enc,
+        "dataplane_bgp_announced_prefixes",
+        "Prefixes this node announces (to at least one peer)",
+        s.announced,
+    )?;
+    gauge(
+        enc,
+        "dataplane_bgp_peers",
+        "BGPPeers this node sessions with",
+        s.peers,
+    )?;
+    counter(
+        enc,
+        "dataplane_bgp_reconfigurations",
+        "Configurations the speaker accepted",
+        s.reconfigurations,
+    )?;
+    counter(
+        enc,
+        "dataplane_bgp_reconfiguration_failures",
+        "Configurations that could not be applied (speaker unreachable or refusing; retried)",
+        s.reconfiguration_failures,
+    )?;
+    let mut invalid: BTreeMap<&str, u64> = BTreeMap::new();
+    for k in s.invalid.keys() {
+        *invalid.entry(k.split('/').next().unwrap_or("")).or_default() += 1;
+    }
+    family(
+        enc,
+        "dataplane_bgp_invalid_objects",
+        "BGPPeer and BGPAdvertisement objects left out because they cannot be used",
+        MetricType::Gauge,
+        [
+            crate::lb::crd::BGP_PEER_KIND,
+            crate::lb::crd::BGP_ADVERTISEMENT_KIND,
+        ]
+        .map(|k| (vec![("kind", k)], invalid.get(k).copied().unwrap_or(0))),
+        const_gauge,
+    )
 }

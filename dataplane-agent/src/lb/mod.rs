@@ -7,14 +7,18 @@
 //! - [`announce`]: for each assigned address one node, elected through a
 //!   Lease per address ([`lease`]), answers ARP and neighbour solicitations
 //!   for it ([`responder`]) and announces takeovers.
+//! - [`bgp`]: every eligible node announces the addresses to BGP routers
+//!   through a BIRD speaker beside the agent, as `BGPPeer`s and
+//!   `BGPAdvertisement`s ([`crd`]) say.
 //!
-//! Both run on a thread and tokio runtime of their own, with their own
+//! They run on a thread and tokio runtime of their own, with their own
 //! watches ([`cache`]), beside the agent's sync loop; they only need the
 //! API server. The datapath serves the addresses once they are in the
 //! Services' status, like any LoadBalancer ingress IP.
 
 pub mod allocator;
 pub mod announce;
+pub mod bgp;
 pub mod cache;
 pub mod config;
 pub mod crd;
@@ -74,6 +78,8 @@ pub struct LbConfig {
     /// Empty: the agent's external devices.
     pub l2_interfaces: Vec<String>,
     pub l2_lease: lease::LeaseTiming,
+    /// Announce through a BGP speaker (`None`: no BGP).
+    pub bgp: Option<bgp::BgpConfig>,
 }
 
 impl Default for LbConfig {
@@ -98,6 +104,7 @@ impl Default for LbConfig {
                 renew_period: Duration::from_secs(2),
                 renew_deadline: None,
             },
+            bgp: None,
         }
     }
 }
@@ -117,6 +124,7 @@ pub enum LbError {
 pub struct LbController {
     stop: tokio::sync::watch::Sender<bool>,
     thread: Option<JoinHandle<()>>,
+    bgp: Option<bgp::SharedStatus>,
 }
 
 /// Where the controllers reach the API server.
@@ -137,9 +145,11 @@ impl LbController {
         interfaces: &[String],
         metrics: SharedMetrics,
     ) -> Result<Option<Self>, LbError> {
-        if !cfg.ipam && !cfg.l2_announce {
+        if !cfg.ipam && !cfg.l2_announce && cfg.bgp.is_none() {
             return Ok(None);
         }
+        let bgp_status = cfg.bgp.as_ref().map(|_| bgp::SharedStatus::default());
+        metrics.lock().expect("metrics").lb.bgp = bgp_status.clone();
         // Sockets first: a bad interface is an error at start.
         let responder = if cfg.l2_announce {
             let counters = Arc::new(responder::Counters::default());
@@ -155,6 +165,7 @@ impl LbController {
         let (ready_tx, ready_rx) = mpsc::channel();
         let cfg = cfg.clone();
         let identity = identity.to_owned();
+        let status = bgp_status.clone();
         let thread = std::thread::Builder::new()
             .name("lb-controllers".into())
             .spawn(move || {
@@ -170,7 +181,7 @@ impl LbController {
                             return;
                         }
                     };
-                    run(client, identity, cfg, responder, metrics, stop_rx).await;
+                    run(client, identity, cfg, responder, metrics, status, stop_rx).await;
                 });
             })?;
         if let Ok(Err(e)) = ready_rx.recv() {
@@ -179,7 +190,13 @@ impl LbController {
         Ok(Some(Self {
             stop,
             thread: Some(thread),
+            bgp: bgp_status,
         }))
+    }
+
+    /// The BGP speaker's state, when BGP is on (for `/healthz`).
+    pub fn bgp_status(&self) -> Option<bgp::SharedStatus> {
+        self.bgp.clone()
     }
 
     /// Releases the Leases (bounded by a few seconds) and stops.
@@ -207,6 +224,7 @@ async fn run(
     cfg: LbConfig,
     responder: Option<responder::Responder>,
     metrics: SharedMetrics,
+    bgp_status: Option<bgp::SharedStatus>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) {
     use futures::FutureExt as _;
@@ -238,7 +256,33 @@ async fn run(
             .boxed(),
         );
     }
-    if cfg.l2_announce {
+    if cfg.bgp.is_some() {
+        watches.push(
+            cache::follow(
+                Api::<crd::BgpPeer>::all(client.clone()),
+                watcher::Config::default(),
+                shared.clone(),
+                changed.clone(),
+                |w| &mut w.bgp_peers,
+                "bgppeers",
+                " (is the BGPPeer CRD installed? deploy/crd-bgp.yaml)",
+            )
+            .boxed(),
+        );
+        watches.push(
+            cache::follow(
+                Api::<crd::BgpAdvertisement>::all(client.clone()),
+                watcher::Config::default(),
+                shared.clone(),
+                changed.clone(),
+                |w| &mut w.bgp_advertisements,
+                "bgpadvertisements",
+                " (is the BGPAdvertisement CRD installed? deploy/crd-bgp.yaml)",
+            )
+            .boxed(),
+        );
+    }
+    if cfg.l2_announce || cfg.bgp.is_some() {
         watches.push(
             cache::follow(
                 Api::<EndpointSlice>::all(client.clone()),
@@ -263,6 +307,8 @@ async fn run(
             )
             .boxed(),
         );
+    }
+    if cfg.l2_announce {
         watches.push(
             cache::follow(
                 Api::<Lease>::namespaced(client.clone(), &cfg.lease_namespace),
@@ -313,8 +359,20 @@ async fn run(
         )
         .run(changes.clone(), stop.clone())
     });
+    let speaker = cfg.bgp.clone().zip(bgp_status).map(|(bgp_cfg, status)| {
+        bgp::Speaker::new(
+            client.clone(),
+            &identity,
+            cfg.classes.clone(),
+            bgp_cfg,
+            shared.clone(),
+            status,
+        )
+        .run(changes.clone(), stop.clone())
+    });
     info!(
         ipam = cfg.ipam,
+        bgp = cfg.bgp.is_some(),
         l2_announce = cfg.l2_announce,
         class = %cfg.classes.class,
         default_class = cfg.classes.default_class,
@@ -331,6 +389,11 @@ async fn run(
             async {
                 if let Some(a) = announcer {
                     a.await
+                }
+            },
+            async {
+                if let Some(s) = speaker {
+                    s.await
                 }
             }
         )

@@ -5,7 +5,10 @@
 use std::{collections::BTreeSet, net::IpAddr};
 
 use k8s_openapi::{
-    api::core::v1::{LoadBalancerIngress, LoadBalancerStatus, Service, ServiceStatus},
+    api::{
+        core::v1::{LoadBalancerIngress, LoadBalancerStatus, Service, ServiceStatus},
+        discovery::v1::EndpointSlice,
+    },
     apimachinery::pkg::apis::meta::v1::{Condition, Time},
 };
 
@@ -64,6 +67,27 @@ pub fn ingress_ips(svc: &Service) -> Vec<IpAddr> {
         .into_iter()
         .flatten()
         .filter_map(|i| i.ip.as_deref()?.parse().ok())
+        .collect()
+}
+
+/// (namespace, Service) of the EndpointSlices with a ready endpoint on
+/// `node_name`: where externalTrafficPolicy Local may be announced.
+pub fn with_ready_endpoint_on<'a>(
+    slices: impl IntoIterator<Item = &'a EndpointSlice>,
+    node_name: &str,
+) -> BTreeSet<(String, String)> {
+    slices
+        .into_iter()
+        .filter(|s| {
+            s.endpoints.iter().any(|e| {
+                e.node_name.as_deref() == Some(node_name)
+                    && e.conditions.as_ref().and_then(|c| c.ready) != Some(false)
+            })
+        })
+        .filter_map(|s| {
+            let svc = s.metadata.labels.as_ref()?.get("kubernetes.io/service-name")?;
+            Some((s.metadata.namespace.clone().unwrap_or_default(), svc.clone()))
+        })
         .collect()
 }
 
