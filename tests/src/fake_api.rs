@@ -25,7 +25,7 @@ use serde_json::{Value, json};
 use crate::netns::NetNs;
 
 /// The collections served: (URL path, List kind).
-const RESOURCES: [(&str, &str); 6] = [
+const RESOURCES: [(&str, &str); 8] = [
     ("/api/v1/services", "ServiceList"),
     ("/apis/discovery.k8s.io/v1/endpointslices", "EndpointSliceList"),
     ("/api/v1/nodes", "NodeList"),
@@ -35,6 +35,11 @@ const RESOURCES: [(&str, &str); 6] = [
         "LoadBalancerIPPoolList",
     ),
     ("/apis/networking.k8s.io/v1/servicecidrs", "ServiceCIDRList"),
+    ("/apis/dataplane.example.com/v1alpha1/bgppeers", "BGPPeerList"),
+    (
+        "/apis/dataplane.example.com/v1alpha1/bgpadvertisements",
+        "BGPAdvertisementList",
+    ),
 ];
 
 /// Collections with a status subresource: a plain `PUT` keeps the status.
@@ -120,6 +125,8 @@ fn collection_of(kind: &str) -> &'static str {
         "Lease" => RESOURCES[3].0,
         "LoadBalancerIPPool" => RESOURCES[4].0,
         "ServiceCIDR" => RESOURCES[5].0,
+        "BGPPeer" => RESOURCES[6].0,
+        "BGPAdvertisement" => RESOURCES[7].0,
         other => panic!("the fake API server does not serve {other}"),
     }
 }

@@ -8,6 +8,7 @@
 //! in parallel and a sweep can tell a dead owner from a live one.
 
 pub mod agent;
+pub mod bgp;
 pub mod bpffs;
 pub mod cgroup;
 pub mod cluster;

@@ -19,7 +19,8 @@ pub enum Mode {
 /// the sandbox's namespaces: the install starts no service, see
 /// `debian_packages`); podman and runc build and run the agent's image
 /// (runc: crun refuses hybrid cgroup hosts), musl-tools compiles the C
-/// parts of the static agent.
+/// parts of the static agent; bird2 is the BGP speaker the agent drives and
+/// the router of the BGP tests (the install starts no daemon either).
 const DEBIAN_PACKAGES: &[&str] = &[
     "llvm-22-dev",
     "libpolly-22-dev",
@@ -34,6 +35,7 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "podman",
     "runc",
     "musl-tools",
+    "bird2",
 ];
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 const NIGHTLY: &str = "nightly";

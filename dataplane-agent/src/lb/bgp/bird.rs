@@ -84,8 +84,9 @@ fn peer_block(out: &mut String, peer: &Peer, exports: &[&Prefix]) {
         let _ = writeln!(out, "  password \"{pw}\";");
     }
     let _ = writeln!(out, "  hold time {};", peer.hold_time);
-    // Retry soon after a refused connection (BIRD waits 120 s by default).
-    out.push_str("  connect retry time 5;\n");
+    // Connect soon after a start and retry soon after a refused connection
+    // (BIRD's defaults: 5 s and 120 s).
+    out.push_str("  connect delay time 1;\n  connect retry time 5;\n");
     out.push_str("  error wait time 1, 30;\n");
     if let Some(b) = &peer.bfd {
         let _ = writeln!(

@@ -1,0 +1,447 @@
+//! BGP announcements end to end with real daemons: three sandbox nodes run
+//! the agent (`--bgp`, and the allocator) beside BIRD 2, which the agent
+//! configures; the client's namespace is the router: BIRD peers with the
+//! three nodes and installs what it learns into its kernel table with ECMP
+//! (L4 hashing). Covers ECMP over every node (eTP=Cluster), eTP=Local
+//! following the endpoints, bad peers and a crashed speaker, a node's loss
+//! with and without BFD, and how many established connections survive one
+//! node's withdrawal with Maglev + DSR against SNAT.
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    net::{IpAddr, Ipv4Addr, SocketAddrV4, TcpStream},
+    time::{Duration, Instant},
+};
+
+use dataplane_tests::{
+    agent::{AgentProcess, METRICS_PORT},
+    bgp::{Bird, BirdDir, NODE_ASN, ROUTER_ASN, next_hops, router_config},
+    cluster::{CLIENT_IP, Cluster, Wiring},
+    echo::EchoServer,
+    fake_api::FakeApiServer,
+    lb::{CLASS, endpoint_slice, pool, quick_request, service},
+    require_privileges, unique_prefix,
+};
+use serde_json::{Value, json};
+
+const BIN: &str = env!("CARGO_BIN_EXE_agent");
+const API_ADDR: &str = "198.18.0.1";
+/// The pool is off the LAN: the router reaches it only through BGP.
+const POOL: &str = "203.0.113.0/28";
+const LB_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 1);
+const LB_ROUTE: &str = "203.0.113.1/32";
+const TARGET: u16 = 8080;
+/// Hold time of the sessions (BGP's minimum): the failure detection
+/// without BFD.
+const HOLD_TIME: u32 = 3;
+
+struct Sandbox {
+    // Dropped in this order: the agents withdraw while BIRD still runs.
+    agents: Vec<AgentProcess>,
+    birds: Vec<Bird>,
+    router: Bird,
+    api: FakeApiServer,
+    _servers: Vec<EchoServer>,
+    cluster: Cluster,
+    _dir: BirdDir,
+}
+
+/// `web`: LoadBalancer of our class, port 80 (NodePort 30080), `policy`,
+/// endpoints on `pods`.
+fn web(c: &Cluster, policy: &str, pods: &[&str]) -> Vec<Value> {
+    let mut svc = service("default/web", Some(CLASS), &[80]);
+    svc["spec"]["clusterIP"] = json!("10.96.0.30");
+    svc["spec"]["ports"][0]["nodePort"] = json!(30080);
+    svc["spec"]["externalTrafficPolicy"] = json!(policy);
+    if policy == "Local" {
+        svc["spec"]["healthCheckNodePort"] = json!(32000);
+    }
+    let eps: Vec<(IpAddr, &str, bool)> = pods
+        .iter()
+        .map(|pod| {
+            let p = c.pod(pod);
+            (p.ip.into(), c.nodes[p.node].name.as_str(), true)
+        })
+        .collect();
+    vec![svc, endpoint_slice("default/web", 80, TARGET as i32, &eps)]
+}
+
+fn peer(name: &str, address: &str, peer_asn: u32, bfd: bool) -> Value {
+    let mut spec =
+        json!({"peerAddress": address, "peerASN": peer_asn, "myASN": NODE_ASN, "holdTimeSeconds": HOLD_TIME});
+    if bfd {
+        spec["bfd"] = json!({"minRxMs": 100, "minTxMs": 100, "multiplier": 3});
+    }
+    json!({"apiVersion": "dataplane.example.com/v1alpha1", "kind": "BGPPeer", "metadata": {"name": name}, "spec": spec})
+}
+
+impl Sandbox {
+    fn new(bfd: bool, agent_args: &[&str]) -> Self {
+        require_privileges();
+        let mut cluster = Cluster::with_nodes(3, Wiring::Wire);
+        for (node, pod) in ["a", "b", "c"].into_iter().enumerate() {
+            cluster.add_pod(node, pod);
+        }
+        let servers = cluster
+            .pods
+            .iter()
+            .map(|p| EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TARGET)))
+            .collect();
+        cluster
+            .switch()
+            .ip_batch(&format!("addr add {API_ADDR}/24 dev br0\n"));
+        let api = FakeApiServer::start_at(cluster.switch(), &format!("{API_ADDR}:0"));
+        api.apply(&pool("bgp", &[POOL]));
+        for o in web(&cluster, "Cluster", &["a", "b", "c"]) {
+            api.apply(&o);
+        }
+        api.apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN, bfd));
+        api.apply(
+            &json!({"apiVersion": "dataplane.example.com/v1alpha1", "kind": "BGPAdvertisement",
+                          "metadata": {"name": "lb"}, "spec": {"communities": ["64512:100"]}}),
+        );
+        let dir = BirdDir::new(&unique_prefix());
+        // The router: the client's namespace, hashing flows over next hops
+        // by their ports too.
+        let client = &cluster.client.ns;
+        client.sysctl("net/ipv4/fib_multipath_hash_policy", "1");
+        let router_conf = dir.path().join("router.conf");
+        let node_ips: Vec<Ipv4Addr> = cluster.nodes.iter().map(|n| n.ip()).collect();
+        std::fs::write(&router_conf, router_config(CLIENT_IP, &node_ips, bfd, HOLD_TIME)).unwrap();
+        let router = Bird::start(client, &router_conf);
+        let url = api.url();
+        let mut agents = Vec::new();
+        let mut birds = Vec::new();
+        for i in 0..3 {
+            let conf = dir.path().join(format!("node{}.conf", i + 1));
+            let sock = conf.with_extension("ctl");
+            let (conf_s, sock_s) = (conf.display().to_string(), sock.display().to_string());
+            let mut args = vec![
+                "--k8s-api-server",
+                url.as_str(),
+                "--lb-ipam",
+                "--bgp",
+                "--bgp-config",
+                conf_s.as_str(),
+                "--bgp-socket",
+                sock_s.as_str(),
+            ];
+            args.extend_from_slice(agent_args);
+            agents.push(cluster.start_agent_with_source(BIN, i, "kubernetes", &args));
+            // The sidecar starts on what the agent rendered.
+            wait_for(
+                Duration::from_secs(20),
+                "the agent renders BIRD's configuration",
+                || conf.exists(),
+                || agents[i].log_text(),
+            );
+            birds.push(Bird::start(cluster.nodes[i].ns(), &conf));
+        }
+        Self {
+            agents,
+            birds,
+            router,
+            api,
+            _servers: servers,
+            cluster,
+            _dir: dir,
+        }
+    }
+
+    fn node_ips(&self, nodes: &[usize]) -> Vec<Ipv4Addr> {
+        let mut v: Vec<Ipv4Addr> = nodes.iter().map(|&n| self.cluster.nodes[n].ip()).collect();
+        v.sort();
+        v
+    }
+
+    fn hops(&self) -> Vec<Ipv4Addr> {
+        next_hops(&self.cluster.client.ns, LB_ROUTE)
+    }
+
+    fn context(&self) -> String {
+        let mut s = format!(
+            "router:\n{}\n{}\n",
+            self.router.birdc("show protocols"),
+            self.router.log_text()
+        );
+        for (i, a) in self.agents.iter().enumerate() {
+            s.push_str(&format!("--- node{}:\n{}\n", i + 1, a.log_text()));
+        }
+        s.push_str(&format!(
+            "web: {:?}\n",
+            self.api
+                .get("Service", "default", "web")
+                .map(|w| w["status"].clone())
+        ));
+        s
+    }
+
+    /// Waits until the router's route to the LB IP has exactly `nodes`'
+    /// addresses as next hops.
+    fn wait_hops(&self, nodes: &[usize], within: Duration) -> Duration {
+        let want = self.node_ips(nodes);
+        let start = Instant::now();
+        wait_for(
+            within,
+            &format!("next hops {want:?}"),
+            || self.hops() == want,
+            || format!("hops: {:?}\n{}", self.hops(), self.context()),
+        );
+        start.elapsed()
+    }
+
+    fn http(&self, node: usize, path: &str) -> (u16, String) {
+        let n = &self.cluster.nodes[node];
+        let port = if path == "/metrics" { METRICS_PORT } else { 10256 };
+        AgentProcess::http_get(n.ns(), SocketAddrV4::new(n.ip(), port), path).expect("agent's HTTP server")
+    }
+
+    /// A sample of node `node`'s /metrics: the line starting with `series`.
+    fn metric(&self, node: usize, series: &str) -> Option<u64> {
+        let (_, body) = self.http(node, "/metrics");
+        body.lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+            .and_then(|v| v.parse().ok())
+    }
+}
+
+/// Polls `check` every 20 ms until it holds; panics after `within`.
+fn wait_for(within: Duration, what: &str, check: impl Fn() -> bool, context: impl Fn() -> String) {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if check() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("{what}: not reached in {within:?}\n{}", context());
+}
+
+const SETTLE: Duration = Duration::from_secs(30);
+
+#[test]
+fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
+    let mut s = Sandbox::new(false, &[]);
+    s.wait_hops(&[0, 1, 2], SETTLE);
+    let (_, seen) =
+        quick_request(&s.cluster.client.ns, (LB_IP, 80), Duration::from_secs(2)).expect("LB IP through BGP");
+    assert!(
+        s.cluster.nodes.iter().any(|n| IpAddr::V4(n.ip()) == seen),
+        "eTP=Cluster: masqueraded ({seen})"
+    );
+    for n in 0..3 {
+        // The agents read the sessions back every 2 s.
+        wait_for(
+            SETTLE,
+            "the agent reports the session and its route",
+            || {
+                s.metric(n, "dataplane_bgp_routes_exported{peer=\"tor\"}") == Some(1)
+                    && s.metric(n, "dataplane_bgp_session_up{peer=\"tor\",state=\"Established\"}") == Some(1)
+            },
+            || s.context(),
+        );
+        let (code, body) = s.http(n, "/healthz");
+        assert_eq!(code, 200);
+        let health: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(health["bgp"]["speakerUp"], true, "{body}");
+        assert_eq!(health["bgp"]["sessions"][0]["state"], "Established", "{body}");
+    }
+    // The router carries the advertisement's community.
+    let route = s.router.birdc(&format!("show route {LB_ROUTE} all"));
+    assert!(route.contains("BGP.community: (64512,100)"), "{route}");
+
+    // eTP=Local: only the node with the endpoint announces; the client's
+    // address reaches the pod.
+    for o in web(&s.cluster, "Local", &["b"]) {
+        s.api.apply(&o);
+    }
+    s.wait_hops(&[1], SETTLE);
+    let (pod, seen) =
+        quick_request(&s.cluster.client.ns, (LB_IP, 80), Duration::from_secs(2)).expect("eTP=Local");
+    assert_eq!((pod.as_str(), seen), ("b", IpAddr::V4(CLIENT_IP)));
+    for o in web(&s.cluster, "Local", &["c"]) {
+        s.api.apply(&o);
+    }
+    s.wait_hops(&[2], SETTLE);
+    for o in web(&s.cluster, "Cluster", &["a", "b", "c"]) {
+        s.api.apply(&o);
+    }
+    s.wait_hops(&[0, 1, 2], SETTLE);
+
+    // A peer nobody answers and one that cannot be used: reported, and the
+    // good session keeps its routes.
+    s.api.apply(&peer("nowhere", "198.18.0.99", ROUTER_ASN, false));
+    s.api.apply(&peer("bad", "198.18.0.98", 0, false));
+    wait_for(
+        SETTLE,
+        "the bad peers reported",
+        || {
+            s.metric(0, "dataplane_bgp_invalid_objects{kind=\"BGPPeer\"}") == Some(1)
+                && s.metric(0, "dataplane_bgp_peers") == Some(2)
+                && s.http(0, "/healthz").1.contains("\"peer\":\"nowhere\"")
+        },
+        || s.context(),
+    );
+    assert!(
+        s.api.events().iter().any(
+            |e| e["reason"] == "InvalidSpec" && e["regarding"]["name"] == "bad"
+                || e["reason"] == "InvalidSpec" && e["involvedObject"]["name"] == "bad"
+        ),
+        "{:?}",
+        s.api.events()
+    );
+    assert_eq!(s.hops(), s.node_ips(&[0, 1, 2]), "the good session is untouched");
+    assert_eq!(
+        s.metric(0, "dataplane_bgp_session_up{peer=\"tor\",state=\"Established\"}"),
+        Some(1)
+    );
+    s.api.delete("BGPPeer", "", "nowhere");
+    s.api.delete("BGPPeer", "", "bad");
+
+    // node3's speaker crashes: its routes go, the agent reports it and
+    // keeps serving; the restarted speaker comes back with the routes.
+    s.birds[2].kill();
+    s.wait_hops(&[0, 1], SETTLE);
+    wait_for(
+        SETTLE,
+        "speaker down reported",
+        || s.metric(2, "dataplane_bgp_speaker_up") == Some(0),
+        || s.context(),
+    );
+    let (code, body) = s.http(2, "/healthz");
+    assert_eq!(
+        code, 200,
+        "a missing speaker does not make the node unhealthy: {body}"
+    );
+    assert!(body.contains("\"speakerUp\":false"), "{body}");
+    let node3 = s.cluster.nodes[2].ip();
+    quick_request(&s.cluster.client.ns, (node3, 30080), Duration::from_secs(2))
+        .expect("node3 still serves its NodePort");
+    s.birds[2].restart();
+    s.wait_hops(&[0, 1, 2], SETTLE);
+    wait_for(
+        SETTLE,
+        "speaker up again",
+        || s.metric(2, "dataplane_bgp_speaker_up") == Some(1),
+        || s.context(),
+    );
+}
+
+/// Takes node `n` off the LAN without closing anything (its link goes
+/// down: no TCP reset, no BGP notification): the router notices through
+/// BFD or the hold timer. Returns how long the router took to drop it.
+fn lose_node(s: &Sandbox, n: usize) -> Duration {
+    let rest: Vec<usize> = (0..3).filter(|&i| i != n).collect();
+    s.cluster.nodes[n].ns().ip_batch("link set eth0 down\n");
+    s.wait_hops(&rest, SETTLE)
+}
+
+#[test]
+fn a_lost_node_is_withdrawn_within_a_second_with_bfd() {
+    let s = Sandbox::new(true, &[]);
+    s.wait_hops(&[0, 1, 2], SETTLE);
+    // BFD sessions up on the router before the loss is measured.
+    wait_for(
+        SETTLE,
+        "BFD sessions up",
+        || s.router.birdc("show bfd sessions").matches(" Up ").count() == 3,
+        || s.router.birdc("show bfd sessions"),
+    );
+    let with_bfd = lose_node(&s, 0);
+    eprintln!(
+        "convergence after a node's loss with BFD (100 ms x 3): {} ms",
+        with_bfd.as_millis()
+    );
+    drop(s);
+    let s = Sandbox::new(false, &[]);
+    s.wait_hops(&[0, 1, 2], SETTLE);
+    let without = lose_node(&s, 0);
+    eprintln!(
+        "convergence after a node's loss without BFD (hold time {HOLD_TIME} s): {} ms",
+        without.as_millis()
+    );
+    assert!(
+        with_bfd < without,
+        "BFD detects the loss before the hold timer: {with_bfd:?} against {without:?}"
+    );
+}
+
+/// Opens `n` connections to the LB IP and checks each answers; withdraws
+/// node1 (its speaker stops: the router moves its flows), then counts the
+/// connections that still answer. Returns (survived, moved): moved is how
+/// many flows' next hop changed.
+fn survivors(s: &mut Sandbox, n: usize) -> (usize, usize) {
+    let client = &s.cluster.client.ns;
+    let mut conns = Vec::new();
+    for _ in 0..n {
+        let c = client
+            .run(|| TcpStream::connect_timeout(&(LB_IP, 80).into(), Duration::from_secs(2)))
+            .expect("connect to the LB IP");
+        c.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        assert!(exchange(&c), "a new connection answers");
+        conns.push(c);
+    }
+    let route_of = |c: &TcpStream| {
+        let port = c.local_addr().unwrap().port().to_string();
+        let out = client
+            .command("ip")
+            .args([
+                "-j",
+                "route",
+                "get",
+                &LB_IP.to_string(),
+                "ipproto",
+                "tcp",
+                "sport",
+                &port,
+                "dport",
+                "80",
+            ])
+            .output()
+            .expect("ip route get");
+        let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        v[0]["gateway"].as_str().unwrap_or_default().to_owned()
+    };
+    let before: Vec<String> = conns.iter().map(route_of).collect();
+    // node1's speaker goes (withdrawn): the sessions close, the router
+    // drops its next hop at once; node1's datapath stays.
+    s.birds[0].kill();
+    s.wait_hops(&[1, 2], SETTLE);
+    let after: Vec<String> = conns.iter().map(route_of).collect();
+    let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
+    let survived = conns.iter().filter(|c| exchange(c)).count();
+    (survived, moved)
+}
+
+fn exchange(c: &TcpStream) -> bool {
+    if (&*c).write_all(b"x\n").is_err() {
+        return false;
+    }
+    let mut line = String::new();
+    BufReader::new(c).read_line(&mut line).is_ok_and(|n| n > 0)
+}
+
+#[test]
+fn established_connections_survive_a_node_withdrawal_with_maglev_and_dsr_not_with_snat() {
+    const CONNS: usize = 200;
+    let mut s = Sandbox::new(false, &["--lb-mode", "dsr", "--lb-algorithm", "maglev"]);
+    s.wait_hops(&[0, 1, 2], SETTLE);
+    let (dsr, dsr_moved) = survivors(&mut s, CONNS);
+    drop(s);
+    let mut s = Sandbox::new(false, &["--lb-mode", "snat", "--lb-algorithm", "maglev"]);
+    s.wait_hops(&[0, 1, 2], SETTLE);
+    let (snat, snat_moved) = survivors(&mut s, CONNS);
+    eprintln!(
+        "node1 withdrawn: Maglev+DSR {dsr}/{CONNS} connections survive ({dsr_moved} moved to another node); \
+         SNAT {snat}/{CONNS} ({snat_moved} moved)"
+    );
+    assert!(dsr_moved > 0 && snat_moved > 0, "the withdrawal moved flows");
+    assert!(
+        dsr * 100 >= CONNS * 99,
+        "Maglev+DSR: {dsr}/{CONNS} survived, {dsr_moved} moved"
+    );
+    assert!(
+        snat <= CONNS - snat_moved / 2,
+        "SNAT cannot keep moved flows: {snat}/{CONNS}, {snat_moved} moved"
+    );
+}
