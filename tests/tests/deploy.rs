@@ -125,12 +125,13 @@ fn the_daemonset_runs_the_agent_with_arguments_and_settings_it_accepts() {
     assert!(rbac.contains(&format!("namespace: {}", cfg.lb.lease_namespace)));
 }
 
-/// Validates `docs` (JSON objects) against the CRD's openAPIV3Schema with
-/// Python's jsonschema (installed with kubernetes-validate); one verdict each.
-fn validate_against_the_crd(docs: &[serde_json::Value]) -> Vec<Result<(), String>> {
+/// Validates `docs` (JSON objects) against the openAPIV3Schema of the CRD
+/// in `file` whose kind is `kind` with Python's jsonschema (installed with
+/// kubernetes-validate); one verdict each.
+fn validate_against_the_crd(file: &str, kind: &str, docs: &[serde_json::Value]) -> Vec<Result<(), String>> {
     const SCRIPT: &str = r#"
 import json, sys, yaml, jsonschema
-crd = yaml.safe_load(open(sys.argv[1]))
+crd = next(d for d in yaml.safe_load_all(open(sys.argv[1])) if d["spec"]["names"]["kind"] == sys.argv[2])
 schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 validator = jsonschema.Draft4Validator(schema)
 for doc in json.load(sys.stdin):
@@ -140,7 +141,8 @@ for doc in json.load(sys.stdin):
     use std::io::Write as _;
     let mut child = std::process::Command::new("python3")
         .args(["-c", SCRIPT])
-        .arg(deploy_dir().join("crd-loadbalancerippool.yaml"))
+        .arg(deploy_dir().join(file))
+        .arg(kind)
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -228,7 +230,7 @@ fn pools_validate_against_the_crd_schema_and_the_agent_reads_them() {
         "metadata": {"name": "op"}, "spec": {"blocks": [{"cidr": "10.0.0.0/24"}],
             "serviceSelector": {"matchExpressions": [{"key": "a", "operator": "Near"}]}}});
     docs.extend([both, half, op]);
-    let verdicts = validate_against_the_crd(&docs);
+    let verdicts = validate_against_the_crd("crd-loadbalancerippool.yaml", "LoadBalancerIPPool", &docs);
     assert_eq!(verdicts.len(), docs.len());
     let n = docs.len();
     for (doc, v) in docs.iter().zip(&verdicts).take(n - 3) {
@@ -283,4 +285,63 @@ fn the_init_container_checks_what_the_agent_will_use() {
             .collect()
     };
     assert_eq!(mounts(init), mounts(agent));
+}
+
+#[test]
+fn bgp_objects_validate_against_the_crd_schemas_and_the_agent_reads_them() {
+    use dataplane_agent::lb::{
+        bgp::plan::{Advertisement, Peer},
+        crd::{BgpAdvertisement, BgpPeer},
+    };
+    let docs: Vec<serde_json::Value> = manifests()
+        .iter()
+        .flat_map(|f| {
+            let text = std::fs::read_to_string(f).unwrap();
+            text.split("\n---\n")
+                .map(|d| serde_saphyr::from_str::<serde_json::Value>(d).unwrap_or(serde_json::Value::Null))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    let peers: Vec<serde_json::Value> = docs.iter().filter(|d| d["kind"] == "BGPPeer").cloned().collect();
+    let ads: Vec<serde_json::Value> = docs
+        .iter()
+        .filter(|d| d["kind"] == "BGPAdvertisement")
+        .cloned()
+        .collect();
+    assert!(
+        !peers.is_empty() && !ads.is_empty(),
+        "the examples hold BGP objects"
+    );
+    for p in &peers {
+        Peer::parse(&serde_json::from_value::<BgpPeer>(p.clone()).unwrap())
+            .expect("the agent reads the example");
+    }
+    for a in &ads {
+        Advertisement::parse(&serde_json::from_value::<BgpAdvertisement>(a.clone()).unwrap())
+            .expect("the agent reads the example");
+    }
+    assert!(
+        validate_against_the_crd("crd-bgp.yaml", "BGPPeer", &peers)
+            .iter()
+            .all(Result::is_ok)
+    );
+    assert!(
+        validate_against_the_crd("crd-bgp.yaml", "BGPAdvertisement", &ads)
+            .iter()
+            .all(Result::is_ok)
+    );
+    // What the schema refuses before the agent sees it.
+    let bad_peer = serde_json::json!({"apiVersion": "dataplane.example.com/v1alpha1", "kind": "BGPPeer",
+        "metadata": {"name": "x"}, "spec": {"peerAddress": "192.0.2.1", "peerASN": 0, "myASN": 1,
+        "password": "a\"b"}});
+    let bad_ad = serde_json::json!({"apiVersion": "dataplane.example.com/v1alpha1", "kind": "BGPAdvertisement",
+        "metadata": {"name": "x"}, "spec": {"communities": ["no-export"]}});
+    let v = validate_against_the_crd("crd-bgp.yaml", "BGPPeer", &[bad_peer]);
+    assert!(
+        v[0].as_ref()
+            .is_err_and(|e| e.contains("minimum") && e.contains("does not match")),
+        "{v:?}"
+    );
+    let v = validate_against_the_crd("crd-bgp.yaml", "BGPAdvertisement", &[bad_ad]);
+    assert!(v[0].is_err(), "{v:?}");
 }
