@@ -196,6 +196,17 @@ impl Sandbox {
         AgentProcess::http_get(n.ns(), SocketAddrV4::new(n.ip(), port), path).expect("agent's HTTP server")
     }
 
+    /// `dataplane-agent inspect bgp -o <output>` on node `node`.
+    fn inspect_bgp(&self, node: usize, output: &str) -> String {
+        let health = format!("{}:10256", self.cluster.nodes[node].ip());
+        let args: Vec<String> = ["inspect", "bgp", "--health-address", &health, "-o", output]
+            .map(String::from)
+            .to_vec();
+        let out = self.agents[node].run_in_node(&args, Duration::from_secs(10));
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
     /// A sample of node `node`'s /metrics: the line starting with `series`.
     fn metric(&self, node: usize, series: &str) -> Option<u64> {
         let (_, body) = self.http(node, "/metrics");
@@ -246,6 +257,15 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         assert_eq!(health["bgp"]["speakerUp"], true, "{body}");
         assert_eq!(health["bgp"]["sessions"][0]["state"], "Established", "{body}");
     }
+    // `inspect bgp`, for people and as JSON.
+    let table = s.inspect_bgp(0, "table");
+    assert!(
+        table.contains("speaker: up") && table.contains("Established"),
+        "{table}"
+    );
+    let json: Value = serde_json::from_str(&s.inspect_bgp(0, "json")).unwrap();
+    assert_eq!(json["sessions"][0]["peer"], "tor");
+    assert_eq!(json["sessions"][0]["exported"], 1);
     // The router carries the advertisement's community.
     let route = s.router.birdc(&format!("show route {LB_ROUTE} all"));
     assert!(route.contains("BGP.community: (64512,100)"), "{route}");
@@ -291,6 +311,12 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         s.api.events()
     );
     assert_eq!(s.hops(), s.node_ips(&[0, 1, 2]), "the good session is untouched");
+    let table = s.inspect_bgp(0, "table");
+    assert!(
+        table.contains("left out: BGPPeer/bad: peerASN and myASN must be"),
+        "{table}"
+    );
+    assert!(table.contains("nowhere"), "{table}");
     assert_eq!(
         s.metric(0, "dataplane_bgp_session_up{peer=\"tor\",state=\"Established\"}"),
         Some(1)

@@ -56,6 +56,14 @@ pub enum What {
         #[arg(long, default_value = "127.0.0.1:10256")]
         health_address: String,
     },
+    /// BGP (`--bgp`): whether the speaker answers, each session's state,
+    /// prefixes exported and last error, objects left out; from the running
+    /// agent's `/healthz`.
+    Bgp {
+        /// The agent's --health-bind-address (as reachable from here).
+        #[arg(long, default_value = "127.0.0.1:10256")]
+        health_address: String,
+    },
     /// Devices the datapath is attached to: hooks (xdp_ingress, tc_ingress,
     /// tc_egress, tc_pod_ingress, connect-time), XDP or TC, link and program
     /// ids (from the pinned links), and why each device was chosen (from the
@@ -105,6 +113,7 @@ fn set_json(s: &BackendSet) -> Value {
 pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
     match &args.what {
         What::Health { health_address } => return health(&args.output, health_address),
+        What::Bgp { health_address } => return bgp(&args.output, health_address),
         What::Interfaces { health_address } => {
             return super::inspect_interfaces::run(&args.output, &args.bpffs_dir, health_address);
         }
@@ -356,7 +365,7 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<()> {
                 },
             )
         }
-        What::Health { .. } | What::Interfaces { .. } => unreachable!("handled above"),
+        What::Health { .. } | What::Bgp { .. } | What::Interfaces { .. } => unreachable!("handled above"),
     }
 }
 
@@ -385,6 +394,48 @@ fn health(output: &str, addr: &str) -> anyhow::Result<()> {
                 c["localEndpoints"].to_string(),
                 c["status"].to_string()
             ));
+        }
+        out
+    })
+}
+
+fn bgp(output: &str, addr: &str) -> anyhow::Result<()> {
+    let (_, health) = agent_get(addr, "/healthz")?;
+    let Some(bgp) = health.get("bgp").cloned() else {
+        anyhow::bail!("the agent at {addr} does not announce through BGP (started without --bgp)");
+    };
+    print(output, bgp.clone(), || {
+        let mut out = format!(
+            "speaker: {}{}
+announced prefixes: {}, peers: {}
+
+",
+            if bgp["speakerUp"] == true { "up" } else { "DOWN" },
+            bgp["speakerError"]
+                .as_str()
+                .map(|e| format!(" ({e})"))
+                .unwrap_or_default(),
+            bgp["announced"],
+            bgp["peers"],
+        );
+        out.push_str(&format!(
+            "{:<24} {:<40} {:<12} {:<14} {:>8}  {}\n",
+            "PEER", "NEIGHBOR", "STATE", "SINCE", "EXPORTED", "LAST ERROR"
+        ));
+        for x in bgp["sessions"].as_array().into_iter().flatten() {
+            let f = |k: &str| x[k].as_str().unwrap_or("").to_owned();
+            out.push_str(&format!(
+                "{:<24} {:<40} {:<12} {:<14} {:>8}  {}\n",
+                f("peer"),
+                f("neighbor"),
+                f("state"),
+                f("since"),
+                x["exported"].to_string(),
+                f("error")
+            ));
+        }
+        for (k, why) in bgp["invalid"].as_object().into_iter().flatten() {
+            out.push_str(&format!("left out: {k}: {}\n", why.as_str().unwrap_or("")));
         }
         out
     })
