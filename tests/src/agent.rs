@@ -338,8 +338,10 @@ impl AgentProcess {
     }
 }
 
-impl Drop for AgentProcess {
-    fn drop(&mut self) {
+impl AgentProcess {
+    /// Stops it as the kubelet does (SIGTERM; SIGKILL after 5 s) and waits;
+    /// the log stays.
+    pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
             // SAFETY: plain kill(2) on our child's pid.
             unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
@@ -353,6 +355,12 @@ impl Drop for AgentProcess {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+}
+
+impl Drop for AgentProcess {
+    fn drop(&mut self) {
+        self.stop();
         let _ = std::fs::remove_file(&self.log);
     }
 }

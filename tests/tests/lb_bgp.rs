@@ -351,6 +351,16 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         || s.metric(2, "dataplane_bgp_speaker_up") == Some(1),
         || s.context(),
     );
+
+    // Stopping an agent (SIGTERM) withdraws its node's announcements before
+    // it exits; its datapath stays attached and keeps serving.
+    s.agents[0].stop();
+    let log = s.agents[0].log_text();
+    assert!(log.contains("BGP announcements withdrawn"), "{log}");
+    s.wait_hops(&[1, 2], SETTLE);
+    let node1 = s.cluster.nodes[0].ip();
+    quick_request(&s.cluster.client.ns, (node1, 30080), Duration::from_secs(2))
+        .expect("node1's datapath still serves after its agent stopped");
 }
 
 /// Takes node `n` off the LAN without closing anything (its link goes
