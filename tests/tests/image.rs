@@ -4,8 +4,9 @@
 //! the agent, with the DaemonSet's capabilities and no others, read-only,
 //! without privilege escalation, in the node's network namespace
 //! (hostNetwork), with bpffs and the cgroup mounted where the DaemonSet
-//! mounts them. It serves a Service end to end. The image and containers go
-//! on drop.
+//! mounts them. It serves a Service end to end. Then the BGP sidecar's image
+//! (BIRD 2) runs as the `deploy/bgp/` overlay says and a router learns a
+//! prefix from it. The images and containers go on drop.
 
 use std::{
     net::{Ipv4Addr, SocketAddrV4},
@@ -41,9 +42,13 @@ fn podman(args: &[&str]) -> Output {
 struct Image(String);
 
 impl Image {
-    fn build(tag: &str) -> Self {
-        // Owned before it exists: a failed build's leftovers go too.
+    /// The agent's image and the BGP sidecar's (`cargo xtask image` prints
+    /// both tags).
+    fn build(tag: &str) -> (Self, Self) {
+        // Owned before they exist: a failed build's leftovers go too.
         let image = Self(tag.to_owned());
+        let (repo, version) = tag.rsplit_once(':').expect("REPO:VERSION");
+        let bird = Self(format!("{repo}-bird:{version}"));
         let out = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
             .args(["xtask", "image", "--tag", tag])
             .current_dir(root())
@@ -54,7 +59,11 @@ impl Image {
             "cargo xtask image failed:\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        image
+        // podman's build steps, then the two tags.
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let tags: Vec<&str> = stdout.lines().rev().take(2).collect();
+        assert_eq!(tags, [bird.0.as_str(), image.0.as_str()], "{stdout}");
+        (image, bird)
     }
 
     fn size(&self) -> u64 {
@@ -141,7 +150,11 @@ fn run_flags(container: &Value, volumes: &Value, netns: &Path, host_paths: &[(&s
             .iter()
             .find(|v| v["name"] == m["name"])
             .unwrap();
-        let Some(host) = volume["hostPath"]["path"].as_str() else {
+        // An emptyDir is found in `host_paths` by the volume's name.
+        let host = volume["hostPath"]["path"]
+            .as_str()
+            .or_else(|| volume.get("emptyDir").and(volume["name"].as_str()));
+        let Some(host) = host else {
             continue; // the ConfigMap: the test passes its settings as flags
         };
         let (_, sandbox) = host_paths
@@ -219,7 +232,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_a_service() {
         ),
     );
 
-    let image = Image::build(&format!("localhost/{}-agent:test", cluster.prefix()));
+    let (image, bird_image) = Image::build(&format!("localhost/{}-agent:test", cluster.prefix()));
     let size = image.size();
     eprintln!("image size: {:.1} MB", size as f64 / 1e6);
     assert!(size < 40_000_000, "a static binary on scratch: {size} bytes");
@@ -354,5 +367,131 @@ fn the_image_runs_as_the_daemonset_says_and_serves_a_service() {
     assert!(logs.contains("attached connect-time translation"), "{logs}");
     drop(container);
     drop(image);
+    bird_sidecar(&cluster, &bird_image, &ds);
+    drop(bird_image);
     eprintln!("image test: {:.1} s", started.elapsed().as_secs_f64());
+}
+
+/// Applies the `add` operations of a JSON patch (RFC 6902) to `doc`.
+fn json_patch_add(doc: &mut Value, ops: &Value) {
+    for op in ops.as_array().expect("a JSON patch") {
+        assert_eq!(op["op"], "add", "only `add` is used: {op}");
+        let path = op["path"].as_str().unwrap();
+        let (parent, last) = path.rsplit_once('/').unwrap();
+        let target = doc.pointer_mut(parent).unwrap_or_else(|| panic!("no {parent}"));
+        match (target, last) {
+            (Value::Array(a), "-") => a.push(op["value"].clone()),
+            (Value::Array(a), i) => a.insert(i.parse().unwrap(), op["value"].clone()),
+            (Value::Object(o), k) => {
+                o.insert(k.to_owned(), op["value"].clone());
+            }
+            (other, _) => panic!("cannot add under {other}"),
+        }
+    }
+}
+
+/// The BGP overlay (deploy/bgp/): BIRD's image runs as it says, on the
+/// configuration the agent renders (the agent's code, a peer and a
+/// prefix), in node1's network namespace; a router (BIRD on the client's
+/// side of the LAN) learns the prefix from it, and the control socket in
+/// the shared volume answers from outside the container (as for the agent).
+fn bird_sidecar(cluster: &Cluster, image: &Image, ds: &Value) {
+    use dataplane_agent::lb::{
+        bgp::{bird, plan},
+        crd::{BgpAdvertisement, BgpPeer},
+        request::ClassFilter,
+    };
+    use dataplane_tests::{
+        bgp::{Bird, BirdDir, NODE_ASN, ROUTER_ASN, next_hops, router_config},
+        cluster::CLIENT_IP,
+    };
+    let mut ds = ds.clone();
+    let patch: Value = serde_saphyr::from_str(
+        &std::fs::read_to_string(root().join("deploy/bgp/daemonset-bird.yaml")).unwrap(),
+    )
+    .unwrap();
+    json_patch_add(&mut ds, &patch);
+    let pod = &ds["spec"]["template"]["spec"];
+    assert!(
+        pod["containers"][0]["args"]
+            .as_array()
+            .unwrap()
+            .contains(&"--bgp".into())
+    );
+    let sidecar = pod["containers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == "bird")
+        .expect("the bird container");
+    let node = &cluster.nodes[0];
+    let volume = BirdDir::new(&format!("{}-sidecar", cluster.prefix()));
+    let peer: BgpPeer = serde_json::from_value(serde_json::json!({"metadata": {"name": "tor"}, "spec": {
+        "peerAddress": CLIENT_IP.to_string(), "peerASN": ROUTER_ASN, "myASN": NODE_ASN, "holdTimeSeconds": 3}}))
+    .unwrap();
+    let ad: BgpAdvertisement = serde_json::from_value(
+        serde_json::json!({"metadata": {"name": "cidr"}, "spec": {"serviceCIDRs": [SERVICE_CIDR]}}),
+    )
+    .unwrap();
+    let classes = ClassFilter {
+        class: dataplane_agent::lb::DEFAULT_CLASS.into(),
+        default_class: false,
+    };
+    let plan = plan::plan(&plan::Inputs {
+        node_name: "node1",
+        node: None,
+        classes: &classes,
+        services: vec![],
+        slices: vec![],
+        peers: vec![&peer],
+        advertisements: vec![&ad],
+    });
+    std::fs::write(
+        volume.path().join("bird.conf"),
+        bird::render(&plan, "node1", false),
+    )
+    .unwrap();
+    let router_dir = BirdDir::new(&format!("{}-router", cluster.prefix()));
+    let router_conf = router_dir.path().join("router.conf");
+    std::fs::write(&router_conf, router_config(CLIENT_IP, &[node.ip()], false, 3)).unwrap();
+    let router = Bird::start(&cluster.client.ns, &router_conf);
+
+    let name = format!("{}-bird", cluster.prefix());
+    let mut args: Vec<String> = vec!["run".into(), "--detach".into(), format!("--name={name}")];
+    args.extend(run_flags(
+        sidecar,
+        &pod["volumes"],
+        &node.ns().path(),
+        &[("bird", volume.path())],
+    ));
+    args.push(image.0.clone());
+    let out = podman(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        out.status.success(),
+        "podman run: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let container = Container(name);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while next_hops(&cluster.client.ns, SERVICE_CIDR) != [node.ip()] {
+        assert!(
+            Instant::now() < deadline,
+            "the router did not learn {SERVICE_CIDR} from the sidecar in 30 s:\n{}\nrouter:\n{}",
+            container.logs(),
+            router.birdc("show protocols all")
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let out = Command::new("birdc")
+        .arg("-s")
+        .arg(volume.path().join("bird.ctl"))
+        .args(["show", "protocols"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("Established"),
+        "the control socket in the shared volume: {text}"
+    );
+    drop(container);
 }

@@ -60,7 +60,9 @@ enum Command {
         seed: Option<u64>,
     },
     /// Build the agent's container image (deploy/Containerfile, FROM scratch)
-    /// with podman from a static musl build of the agent; prints its tag.
+    /// with podman from a static musl build of the agent, and the BGP
+    /// sidecar's (deploy/Containerfile.bird, `REPO-bird:VERSION`); prints
+    /// both tags.
     Image {
         #[arg(long, default_value = concat!("localhost/kube-dataplane:", env!("CARGO_PKG_VERSION")))]
         tag: String,

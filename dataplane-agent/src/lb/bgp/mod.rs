@@ -119,8 +119,19 @@ impl Speaker {
             },
         );
         // What an earlier run left: unchanged text is not applied again, so
-        // a restarting agent does not disturb the sessions.
-        let written = std::fs::read_to_string(&cfg.config_path).ok();
+        // a restarting agent does not disturb the sessions. Without one, a
+        // configuration with no peers at once, so that BIRD can start
+        // before the objects are listed.
+        let written = std::fs::read_to_string(&cfg.config_path).ok().or_else(|| {
+            let text = bird::render(&plan::Plan::default(), identity, false);
+            match bird::write_config(&cfg.config_path, &text) {
+                Ok(()) => Some(text),
+                Err(e) => {
+                    warn!(path = %cfg.config_path.display(), error = %e, "cannot write BIRD's configuration");
+                    None
+                }
+            }
+        });
         Self {
             identity: identity.to_owned(),
             classes,
