@@ -352,6 +352,19 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         || s.context(),
     );
 
+    // The wrong AS for the router: every session fails with BIRD's reason,
+    // in /healthz and `inspect bgp`; the right one brings them back.
+    s.api.apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN + 1, false));
+    s.wait_hops(&[], SETTLE);
+    wait_for(
+        SETTLE,
+        "the refused session reported with its reason",
+        || s.inspect_bgp(0, "table").contains("Bad peer AS"),
+        || s.inspect_bgp(0, "table"),
+    );
+    s.api.apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN, false));
+    s.wait_hops(&[0, 1, 2], SETTLE);
+
     // Stopping an agent (SIGTERM) withdraws its node's announcements before
     // it exits; its datapath stays attached and keeps serving.
     s.agents[0].stop();
