@@ -445,6 +445,7 @@ fn bird_sidecar(cluster: &Cluster, image: &Image, ds: &Value) {
         slices: vec![],
         peers: vec![&peer],
         advertisements: vec![&ad],
+        pools: vec![],
     });
     std::fs::write(
         volume.path().join("bird.conf"),

@@ -354,7 +354,8 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
 
     // The wrong AS for the router: every session fails with BIRD's reason,
     // in /healthz and `inspect bgp`; the right one brings them back.
-    s.api.apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN + 1, false));
+    s.api
+        .apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN + 1, false));
     s.wait_hops(&[], SETTLE);
     wait_for(
         SETTLE,
@@ -362,7 +363,8 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         || s.inspect_bgp(0, "table").contains("Bad peer AS"),
         || s.inspect_bgp(0, "table"),
     );
-    s.api.apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN, false));
+    s.api
+        .apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN, false));
     s.wait_hops(&[0, 1, 2], SETTLE);
 
     // Stopping an agent (SIGTERM) withdraws its node's announcements before
@@ -493,4 +495,90 @@ fn established_connections_survive_a_node_withdrawal_with_maglev_and_dsr_not_wit
         snat <= CONNS - snat_moved / 2,
         "SNAT cannot keep moved flows: {snat}/{CONNS}, {snat_moved} moved"
     );
+}
+
+#[test]
+fn l2_and_bgp_serve_different_pools_side_by_side() {
+    const LEASE_NS: &str = "kube-dataplane";
+    let s = Sandbox::new(
+        false,
+        &[
+            "--l2-announce",
+            "--lb-lease-namespace",
+            LEASE_NS,
+            "--l2-lease-duration-seconds",
+            "2",
+            "--l2-lease-renew-ms",
+            "500",
+        ],
+    );
+    s.wait_hops(&[0, 1, 2], SETTLE);
+    // The BGP pool is BGP's alone; the LAN pool (on the client's subnet) is
+    // announced by L2 and not by BGP.
+    let mut bgp_pool = pool("bgp", &[POOL]);
+    bgp_pool["spec"]["l2Announce"] = json!(false);
+    bgp_pool["spec"]["serviceSelector"] = json!({"matchLabels": {"io.kubernetes.service.name": "web"}});
+    s.api.apply(&bgp_pool);
+    let mut lan_pool = pool("lan", &["198.18.0.240/29"]);
+    lan_pool["spec"]["serviceSelector"] = json!({"matchLabels": {"io.kubernetes.service.name": "lan"}});
+    s.api.apply(&lan_pool);
+    s.api.apply(
+        &json!({"apiVersion": "dataplane.example.com/v1alpha1", "kind": "BGPAdvertisement",
+                        "metadata": {"name": "lb"}, "spec": {"pools": ["bgp"]}}),
+    );
+    let mut lan = service("default/lan", Some(CLASS), &[80]);
+    lan["spec"]["clusterIP"] = json!("10.96.0.31");
+    lan["spec"]["ports"][0]["nodePort"] = json!(30081);
+    s.api.apply(&lan);
+    let eps: Vec<(IpAddr, &str, bool)> = ["a", "b"]
+        .iter()
+        .map(|p| {
+            let p = s.cluster.pod(p);
+            (p.ip.into(), s.cluster.nodes[p.node].name.as_str(), true)
+        })
+        .collect();
+    s.api
+        .apply(&endpoint_slice("default/lan", 80, TARGET as i32, &eps));
+    let lan_ip: Ipv4Addr = "198.18.0.241".parse().unwrap();
+    let lease = |ip: Ipv4Addr| {
+        s.api.get(
+            "Lease",
+            LEASE_NS,
+            &dataplane_agent::lb::announce::lease_name(&IpAddr::V4(ip)),
+        )
+    };
+    wait_for(
+        SETTLE,
+        "the LAN address assigned and elected",
+        || {
+            s.api
+                .get("Service", "default", "lan")
+                .is_some_and(|l| l["status"]["loadBalancer"]["ingress"][0]["ip"] == lan_ip.to_string())
+                && lease(lan_ip).is_some()
+        },
+        || s.context(),
+    );
+    wait_for(
+        SETTLE,
+        "the LAN address answers through ARP",
+        || quick_request(&s.cluster.client.ns, (lan_ip, 80), Duration::from_millis(500)).is_ok(),
+        || s.context(),
+    );
+    // BGP's address is still routed, and nobody holds an L2 lease for it;
+    // BGP does not announce the LAN's.
+    assert_eq!(s.hops(), s.node_ips(&[0, 1, 2]));
+    quick_request(&s.cluster.client.ns, (LB_IP, 80), Duration::from_secs(2)).expect("the BGP address");
+    assert!(
+        lease(LB_IP).is_none(),
+        "no L2 lease for a pool with l2Announce: false"
+    );
+    assert!(next_hops(&s.cluster.client.ns, "198.18.0.241/32").is_empty());
+    for n in 0..3 {
+        assert_eq!(
+            s.metric(n, "dataplane_bgp_announced_prefixes"),
+            Some(1),
+            "{}",
+            s.context()
+        );
+    }
 }

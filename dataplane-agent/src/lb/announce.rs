@@ -6,6 +6,8 @@
 //! renewing for a lease duration, then send gratuitous ARP / unsolicited NA
 //! so that the segment's neighbour caches move to them at once.
 //!
+//! Addresses from a pool with `l2Announce: false` are left to BGP.
+//!
 //! Eligible: the node is not labelled
 //! `node.kubernetes.io/exclude-from-external-load-balancers`, and for every
 //! Service on the address with externalTrafficPolicy Local, one of its
@@ -36,6 +38,7 @@ use super::{
     EXCLUDE_LABEL, L2_IP_ANNOTATION, L2_LEASE_LABEL, L2_LEASE_PREFIX,
     cache::Shared,
     lease::{Action, Candidate, Intent, LeaseTiming, execute},
+    pool::PoolIndex,
     request::{ClassFilter, ingress_ips, with_ready_endpoint_on},
     responder::Responder,
 };
@@ -189,7 +192,7 @@ impl Announcer {
             let w = self.shared.lock().expect("lb cache");
             // Nothing is decided on a partial picture (a holder would
             // release what it cannot yet see it may keep).
-            if !(w.services.synced && w.slices.synced && w.nodes.synced) {
+            if !(w.services.synced && w.slices.synced && w.nodes.synced && w.pools.synced) {
                 return (false, now + Duration::from_millis(100));
             }
             let node = w
@@ -197,13 +200,16 @@ impl Announcer {
                 .objects
                 .values()
                 .find(|n| n.metadata.name.as_deref() == Some(&self.identity));
-            let eligible = eligibility(
+            let mut eligible = eligibility(
                 w.services.objects.values(),
                 w.slices.objects.values(),
                 node,
                 &self.identity,
                 &self.classes,
             );
+            // Pools with `l2Announce: false` are BGP's alone.
+            let pools = PoolIndex::new(w.pools.objects.values());
+            eligible.retain(|ip, _| pools.l2_announced(*ip));
             for ip in eligible.keys() {
                 if !self.entries.contains_key(ip) {
                     let c = self.candidate(ip);

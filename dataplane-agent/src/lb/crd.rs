@@ -89,6 +89,10 @@ pub struct PoolSpec {
     /// No new allocations; Services keep the addresses they have.
     #[serde(default)]
     pub disabled: bool,
+    /// Whether L2 announcements answer for this pool's addresses (absent:
+    /// yes); `false` leaves them to BGP.
+    #[serde(default, rename = "l2Announce", skip_serializing_if = "Option::is_none")]
+    pub l2_announce: Option<bool>,
 }
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -250,6 +254,10 @@ pub struct AdvertisementSpec {
     /// `io.kubernetes.service.name` can be matched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_selector: Option<LabelSelector>,
+    /// LoadBalancerIPPool names whose addresses are announced (all when
+    /// empty; addresses from no pool too).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pools: Vec<String>,
     /// BGPPeer names to announce to (all when empty).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<String>,
@@ -273,6 +281,7 @@ impl Default for AdvertisementSpec {
             cluster_ips: false,
             service_cidrs: Vec::new(),
             service_selector: None,
+            pools: Vec::new(),
             peers: Vec::new(),
             communities: Vec::new(),
             local_preference: None,

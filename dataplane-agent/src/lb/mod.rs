@@ -242,7 +242,9 @@ async fn run(
         )
         .boxed(),
     ];
-    if cfg.ipam {
+    // The allocator hands out the pools' addresses; the announcers read
+    // which pool an address is from.
+    {
         watches.push(
             cache::follow(
                 Api::<crd::LoadBalancerIPPool>::all(client.clone()),

@@ -252,6 +252,28 @@ impl Selector {
     }
 }
 
+/// Which pool an address is from, by the pools' blocks (the first pool
+/// holding it, in the order given).
+pub struct PoolIndex<'a>(Vec<(&'a LoadBalancerIPPool, Vec<Range>)>);
+
+impl<'a> PoolIndex<'a> {
+    pub fn new(pools: impl IntoIterator<Item = &'a LoadBalancerIPPool>) -> Self {
+        Self(pools.into_iter().map(|p| (p, Pool::parse(p).ranges)).collect())
+    }
+
+    pub fn pool_of(&self, ip: IpAddr) -> Option<&'a LoadBalancerIPPool> {
+        self.0
+            .iter()
+            .find(|(_, ranges)| ranges.iter().any(|r| r.contains(ip)))
+            .map(|(p, _)| *p)
+    }
+
+    /// Whether L2 announcements answer for `ip` (its pool does not say no).
+    pub fn l2_announced(&self, ip: IpAddr) -> bool {
+        self.pool_of(ip).is_none_or(|p| p.spec.l2_announce != Some(false))
+    }
+}
+
 /// A pool as the allocator uses it.
 #[derive(Clone, Debug)]
 pub struct Pool {
@@ -1088,5 +1110,41 @@ mod tests {
         assert_eq!(p.ranges.len(), 1);
         assert_eq!(p.problems.len(), 2, "{:?}", p.problems);
         assert_eq!(p.total(), 2);
+    }
+
+    #[test]
+    fn the_pool_index_finds_an_address_pool_and_whether_l2_announces_it() {
+        let mut bgp = LoadBalancerIPPool::new(
+            "bgp",
+            PoolSpec {
+                blocks: vec![Block {
+                    cidr: Some("203.0.113.0/28".into()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+        );
+        bgp.spec.l2_announce = Some(false);
+        let lan = LoadBalancerIPPool::new(
+            "lan",
+            PoolSpec {
+                blocks: vec![Block {
+                    cidr: Some("198.18.0.240/29".into()),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            },
+        );
+        let index = PoolIndex::new([&bgp, &lan]);
+        assert_eq!(
+            index.pool_of("203.0.113.5".parse().unwrap()).map(|p| p.name()),
+            Some("bgp")
+        );
+        assert!(!index.l2_announced("203.0.113.5".parse().unwrap()));
+        assert!(index.l2_announced("198.18.0.241".parse().unwrap()));
+        assert!(
+            index.l2_announced("192.0.2.1".parse().unwrap()),
+            "from no pool: announced"
+        );
     }
 }

@@ -413,6 +413,7 @@ mod tests {
             slices: vec![],
             peers: peers.iter().collect(),
             advertisements: ads.iter().collect(),
+            pools: vec![],
         });
         let text = render(&p, "n1", false);
         let tor = protocol_name("tor");

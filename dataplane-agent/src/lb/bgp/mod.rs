@@ -169,7 +169,8 @@ impl Speaker {
             && w.slices.synced
             && w.nodes.synced
             && w.bgp_peers.synced
-            && w.bgp_advertisements.synced)
+            && w.bgp_advertisements.synced
+            && w.pools.synced)
         {
             return None;
         }
@@ -181,6 +182,7 @@ impl Speaker {
             slices: w.slices.objects.values().collect(),
             peers: w.bgp_peers.objects.values().collect(),
             advertisements: w.bgp_advertisements.objects.values().collect(),
+            pools: w.pools.objects.values().collect(),
         }))
     }
 

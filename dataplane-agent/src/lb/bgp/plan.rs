@@ -13,6 +13,9 @@
 //!   nodes with a ready endpoint.
 //! - Service CIDRs: every peering node.
 //!
+//! An advertisement naming `pools` announces only LoadBalancer addresses
+//! from those pools (L2 and BGP side by side on different pools).
+//!
 //! Objects that cannot be used are left out with a message (the speaker
 //! logs it, counts it and records an event); the others still apply.
 
@@ -29,8 +32,8 @@ use k8s_openapi::api::{
 
 use crate::lb::{
     EXCLUDE_LABEL,
-    crd::{BGP_ADVERTISEMENT_KIND, BGP_PEER_KIND, BgpAdvertisement, BgpPeer},
-    pool::{NAME_LABEL, NAMESPACE_LABEL, Selector, parse_cidr},
+    crd::{BGP_ADVERTISEMENT_KIND, BGP_PEER_KIND, BgpAdvertisement, BgpPeer, LoadBalancerIPPool},
+    pool::{NAME_LABEL, NAMESPACE_LABEL, PoolIndex, Selector, parse_cidr},
     request::{ClassFilter, ingress_ips, with_ready_endpoint_on},
 };
 
@@ -191,6 +194,8 @@ pub struct Advertisement {
     pub cluster_ips: bool,
     pub cidrs: Vec<Prefix>,
     selector: Selector,
+    /// Pool names (empty: all).
+    pub pools: BTreeSet<String>,
     /// Peer names (empty: all).
     pub peers: BTreeSet<String>,
     pub communities: BTreeSet<Community>,
@@ -225,6 +230,7 @@ impl Advertisement {
             cluster_ips: s.cluster_ips,
             cidrs,
             selector,
+            pools: s.pools.iter().cloned().collect(),
             peers: s.peers.iter().cloned().collect(),
             communities,
             local_preference: s.local_preference,
@@ -276,6 +282,7 @@ pub struct Inputs<'a> {
     pub slices: Vec<&'a EndpointSlice>,
     pub peers: Vec<&'a BgpPeer>,
     pub advertisements: Vec<&'a BgpAdvertisement>,
+    pub pools: Vec<&'a LoadBalancerIPPool>,
 }
 
 /// The node's router ID: its first IPv4 InternalIP (any IPv4 address
@@ -331,6 +338,7 @@ pub fn plan(i: &Inputs) -> Plan {
     }
     let excluded = labels.contains_key(EXCLUDE_LABEL);
     let local = with_ready_endpoint_on(i.slices.iter().copied(), i.node_name);
+    let pools = PoolIndex::new(i.pools.iter().copied());
     let add = |out: &mut Plan, prefix: Prefix, adv: &Advertisement| {
         let peers: BTreeSet<String> = out
             .peers
@@ -370,7 +378,12 @@ pub fn plan(i: &Inputs) -> Plan {
         for adv in advertisements.iter().filter(|a| a.selector.matches(&svc_labels)) {
             let mut addrs: Vec<IpAddr> = Vec::new();
             if external_ok && adv.load_balancer_ips && i.classes.owns(svc) {
-                addrs.extend(ingress_ips(svc));
+                addrs.extend(ingress_ips(svc).into_iter().filter(|ip| {
+                    adv.pools.is_empty()
+                        || pools
+                            .pool_of(*ip)
+                            .is_some_and(|p| adv.pools.contains(p.metadata.name.as_deref().unwrap_or("")))
+                }));
             }
             if external_ok && adv.external_ips {
                 addrs.extend(
@@ -478,6 +491,7 @@ mod tests {
             slices: slices.iter().collect(),
             peers: peers.iter().collect(),
             advertisements: ads.iter().collect(),
+            pools: vec![],
         })
     }
 
@@ -584,6 +598,40 @@ mod tests {
             "`all` names its peers"
         );
         assert!(p.peers.contains_key("rack2"));
+    }
+
+    #[test]
+    fn an_advertisement_naming_pools_announces_only_their_addresses() {
+        let peers = [peer(
+            "tor",
+            json!({"peerAddress": "198.18.0.254", "peerASN": 64500, "myASN": 64512}),
+        )];
+        let ads = [advertisement("bgp-only", json!({"pools": ["bgp"]}))];
+        let pools: Vec<LoadBalancerIPPool> = [("bgp", "203.0.113.0/28"), ("lan", "198.18.0.240/29")]
+            .map(|(name, cidr)| {
+                serde_json::from_value(
+                    json!({"metadata": {"name": name}, "spec": {"blocks": [{"cidr": cidr}]}}),
+                )
+                .unwrap()
+            })
+            .to_vec();
+        let services = [
+            service("web", "Cluster", "203.0.113.1"),
+            service("lan", "Cluster", "198.18.0.241"),
+        ];
+        let n = node(json!({}));
+        let classes = classes();
+        let p = plan(&Inputs {
+            node_name: "n1",
+            node: Some(&n),
+            classes: &classes,
+            services: services.iter().collect(),
+            slices: vec![],
+            peers: peers.iter().collect(),
+            advertisements: ads.iter().collect(),
+            pools: pools.iter().collect(),
+        });
+        assert_eq!(prefixes(&p), ["203.0.113.1/32"]);
     }
 
     #[test]
