@@ -85,6 +85,19 @@ impl Drop for Image {
 struct Container(String);
 
 impl Container {
+    /// `podman run --detach --name=NAME` with `args` (which hold them).
+    fn run(name: String, args: &[String]) -> Self {
+        let out = podman(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        // Owned from here: a half-started container goes too.
+        let container = Self(name);
+        assert!(
+            out.status.success(),
+            "podman run: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        container
+    }
+
     fn logs(&self) -> String {
         let out = podman(&["logs", &self.0]);
         format!(
@@ -312,13 +325,7 @@ fn the_image_runs_as_the_daemonset_says_and_serves_a_service() {
         ]
         .map(String::from),
     );
-    let out = podman(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(
-        out.status.success(),
-        "podman run: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let container = Container(name);
+    let container = Container::run(name, &args);
     let health = SocketAddrV4::new(node.ip(), HEALTH_PORT);
     let deadline = Instant::now() + Duration::from_secs(30);
     while !matches!(
@@ -466,13 +473,7 @@ fn bird_sidecar(cluster: &Cluster, image: &Image, ds: &Value) {
         &[("bird", volume.path())],
     ));
     args.push(image.0.clone());
-    let out = podman(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(
-        out.status.success(),
-        "podman run: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let container = Container(name);
+    let container = Container::run(name, &args);
     let deadline = Instant::now() + Duration::from_secs(30);
     while next_hops(&cluster.client.ns, SERVICE_CIDR) != [node.ip()] {
         assert!(
