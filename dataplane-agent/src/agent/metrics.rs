@@ -72,7 +72,8 @@ pub struct Metrics {
     /// Local endpoints that no attached pod interface leads to.
     pub unreachable_local_endpoints: u64,
     /// LoadBalancer address allocation and L2 announcements.
-    pub lb: crate::lb::metrics::LbMetrics,
+    /// The load balancers' metrics, shared with their controllers.
+    pub lb: crate::lb::metrics::SharedLbMetrics,
 }
 
 impl Default for Metrics {
@@ -123,7 +124,7 @@ const SKIP_REASONS: [&str; 6] = [
 
 impl Metrics {
     fn encode(&self, enc: &mut DescriptorEncoder) -> Fmt {
-        self.lb.encode(enc)?;
+        self.lb.lock().expect("lb metrics").encode(enc)?;
         self.sync_duration.encode(enc.encode_descriptor(
             "kubeproxy_sync_proxy_rules_duration_seconds",
             "SyncProxyRules latency in seconds",

@@ -283,7 +283,7 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         &cfg.node_name,
         &cfg.lb,
         l2_interfaces,
-        metrics.clone(),
+        metrics.lock().expect("metrics").lb.clone(),
     )
     .context("starting the load-balancer controllers")?;
     if let Some(bgp) = _lb.as_ref().and_then(|l| l.bgp_status()) {

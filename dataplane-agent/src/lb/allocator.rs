@@ -33,10 +33,10 @@ use super::{
     cache::{Shared, Watched},
     crd::{LoadBalancerIPPool, PoolStatus},
     lease::{Elector, Intent},
+    metrics::SharedLbMetrics,
     pool::{self, Outcome, Pool, Pools, Usage},
     request::{self, ClassFilter},
 };
-use crate::agent::metrics::SharedMetrics;
 
 /// How many times a status write is retried after 409 Conflict within one
 /// round (each after a fresh read).
@@ -46,7 +46,7 @@ pub struct Allocator {
     client: Client,
     classes: ClassFilter,
     shared: Shared,
-    metrics: SharedMetrics,
+    metrics: SharedLbMetrics,
     recorder: Recorder,
     /// Service uid → the addresses last written.
     written: BTreeMap<String, Vec<IpAddr>>,
@@ -226,7 +226,7 @@ impl Allocator {
         identity: &str,
         classes: ClassFilter,
         shared: Shared,
-        metrics: SharedMetrics,
+        metrics: SharedLbMetrics,
     ) -> Self {
         let recorder = Recorder::new(
             client.clone(),
@@ -269,12 +269,12 @@ impl Allocator {
                     self.written.clear();
                     self.waiting.clear();
                 }
-                let mut m = self.metrics.lock().expect("metrics");
-                m.lb.ipam_leader = leading;
+                let mut m = self.metrics.lock().expect("lb metrics");
+                m.ipam_leader = leading;
                 if !leading {
                     // Only the leader's view is exported.
-                    m.lb.pools.clear();
-                    m.lb.services.clear();
+                    m.pools.clear();
+                    m.services.clear();
                 }
                 drop(m);
                 was_leading = leading;
@@ -289,16 +289,16 @@ impl Allocator {
             }
         }
         elector.step(Intent::Follow).await;
-        self.metrics.lock().expect("metrics").lb.ipam_leader = false;
+        self.metrics.lock().expect("lb metrics").ipam_leader = false;
     }
 
     /// Counts a status write and the conflicts it met.
     fn count<K>(&self, conflicts: u64, result: &Write<K>) {
-        let mut m = self.metrics.lock().expect("metrics");
-        m.lb.status_conflicts += conflicts;
+        let mut m = self.metrics.lock().expect("lb metrics");
+        m.status_conflicts += conflicts;
         match result {
-            Write::Written(_) => m.lb.status_writes += 1,
-            Write::Failed(_) => m.lb.status_write_failures += 1,
+            Write::Written(_) => m.status_writes += 1,
+            Write::Failed(_) => m.status_write_failures += 1,
             _ => {}
         }
     }
@@ -371,9 +371,9 @@ impl Allocator {
                 self.write_pool(obj, parsed, usage).await;
             }
         }
-        let mut m = self.metrics.lock().expect("metrics");
-        m.lb.services = by_reason;
-        m.lb.pools = plan.pools.clone();
+        let mut m = self.metrics.lock().expect("lb metrics");
+        m.services = by_reason;
+        m.pools = plan.pools.clone();
     }
 
     /// Writes `svc`'s status for `outcome` (`None`: release), with Events
@@ -444,8 +444,7 @@ impl Allocator {
                 {
                     self.metrics
                         .lock()
-                        .expect("metrics")
-                        .lb
+                        .expect("lb metrics")
                         .allocation_seconds
                         .observe(since.elapsed().as_secs_f64());
                 }

@@ -38,11 +38,11 @@ use super::{
     EXCLUDE_LABEL, L2_IP_ANNOTATION, L2_LEASE_LABEL, L2_LEASE_PREFIX,
     cache::Shared,
     lease::{Action, Candidate, Intent, LeaseTiming, execute},
+    metrics::SharedLbMetrics,
     pool::PoolIndex,
     request::{ClassFilter, ingress_ips, with_ready_endpoint_on},
     responder::Responder,
 };
-use crate::agent::metrics::SharedMetrics;
 
 /// At most this many Lease requests in flight.
 const CONCURRENCY: usize = 16;
@@ -116,7 +116,7 @@ pub struct Announcer {
     timing: LeaseTiming,
     shared: Shared,
     responder: Responder,
-    metrics: SharedMetrics,
+    metrics: SharedLbMetrics,
     entries: BTreeMap<IpAddr, Entry>,
     announced: BTreeSet<IpAddr>,
 }
@@ -131,7 +131,7 @@ impl Announcer {
         timing: LeaseTiming,
         shared: Shared,
         responder: Responder,
-        metrics: SharedMetrics,
+        metrics: SharedLbMetrics,
     ) -> Self {
         Self {
             api: Api::namespaced(client, namespace),
@@ -262,7 +262,7 @@ impl Announcer {
                 && let Some(err) = e.candidate.apply(done, done_at)
             {
                 warn!(address = %ip, lease = %lease_name(&ip), error = %err, "lease request failed; retrying");
-                self.metrics.lock().expect("metrics").lb.lease_errors += 1;
+                self.metrics.lock().expect("lb metrics").lease_errors += 1;
             }
         }
         // Forget addresses nobody uses once we do not hold their Lease.
@@ -284,17 +284,17 @@ impl Announcer {
             return;
         }
         self.responder.set_addresses(&leading);
-        let mut m = self.metrics.lock().expect("metrics");
+        let mut m = self.metrics.lock().expect("lb metrics");
         for ip in leading.difference(&self.announced) {
             info!(address = %ip, "announcing (ARP/NDP) from this node");
             self.responder.announce(*ip);
-            m.lb.l2_takeovers += 1;
+            m.l2_takeovers += 1;
         }
         for ip in self.announced.difference(&leading) {
             info!(address = %ip, "stopped announcing from this node");
-            m.lb.l2_releases += 1;
+            m.l2_releases += 1;
         }
-        m.lb.l2_addresses = leading.len() as u64;
+        m.l2_addresses = leading.len() as u64;
         drop(m);
         self.announced = leading;
     }
@@ -326,7 +326,7 @@ impl Announcer {
         } else if n > 0 {
             info!(leases = n, "released the L2 leases");
         }
-        self.metrics.lock().expect("metrics").lb.l2_addresses = 0;
+        self.metrics.lock().expect("lb metrics").l2_addresses = 0;
     }
 }
 

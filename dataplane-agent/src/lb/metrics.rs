@@ -1,6 +1,6 @@
-//! Metrics of the allocator and the L2 announcer, exported with the agent's
-//! (`agent::metrics`): the controllers update an [`LbMetrics`] inside the
-//! agent's shared metrics; scrapes encode it.
+//! Metrics of the allocator and the announcers, exported with the agent's
+//! (`agent::metrics`, which holds a [`SharedLbMetrics`] and encodes it on
+//! every scrape): the controllers update the [`LbMetrics`] behind it.
 
 use std::{
     collections::BTreeMap,
@@ -17,6 +17,9 @@ use prometheus_client::{
 
 use super::{pool::Usage, responder::Counters};
 use crate::prom::{Fmt, const_counter, const_gauge, counter, family, gauge};
+
+/// What the controllers update and scrapes encode.
+pub type SharedLbMetrics = Arc<std::sync::Mutex<LbMetrics>>;
 
 #[derive(Clone, Debug)]
 pub struct LbMetrics {

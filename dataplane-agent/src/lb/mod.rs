@@ -42,7 +42,7 @@ use k8s_openapi::api::{
 use kube::{Api, api::ObjectMeta, runtime::watcher};
 use tracing::info;
 
-use crate::agent::metrics::SharedMetrics;
+use self::metrics::SharedLbMetrics;
 
 /// The default `spec.loadBalancerClass` the agent serves.
 pub const DEFAULT_CLASS: &str = "dataplane.example.com/lb";
@@ -143,17 +143,17 @@ impl LbController {
         identity: &str,
         cfg: &LbConfig,
         interfaces: &[String],
-        metrics: SharedMetrics,
+        metrics: SharedLbMetrics,
     ) -> Result<Option<Self>, LbError> {
         if !cfg.ipam && !cfg.l2_announce && cfg.bgp.is_none() {
             return Ok(None);
         }
         let bgp_status = cfg.bgp.as_ref().map(|_| bgp::SharedStatus::default());
-        metrics.lock().expect("metrics").lb.bgp = bgp_status.clone();
+        metrics.lock().expect("lb metrics").bgp = bgp_status.clone();
         // Sockets first: a bad interface is an error at start.
         let responder = if cfg.l2_announce {
             let counters = Arc::new(responder::Counters::default());
-            metrics.lock().expect("metrics").lb.responder = Some(counters.clone());
+            metrics.lock().expect("lb metrics").responder = Some(counters.clone());
             Some(responder::Responder::start(interfaces, counters)?)
         } else {
             None
@@ -223,7 +223,7 @@ async fn run(
     identity: String,
     cfg: LbConfig,
     responder: Option<responder::Responder>,
-    metrics: SharedMetrics,
+    metrics: SharedLbMetrics,
     bgp_status: Option<bgp::SharedStatus>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) {
