@@ -24,9 +24,12 @@ pub mod sctp;
 pub mod services;
 pub mod testrun;
 
-use std::sync::{
-    Once,
-    atomic::{AtomicU32, Ordering},
+use std::{
+    sync::{
+        Once,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
 };
 
 /// Prefix of every namespace, mount point, cgroup and temporary file the
@@ -50,14 +53,34 @@ pub fn unique_prefix() -> String {
 /// `what` and `context()` (an agent's log, say). For state that converges
 /// (an agent applying an edit), not for timing.
 pub fn eventually(what: &str, check: impl Fn() -> bool, context: impl Fn() -> String) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        what,
+        check,
+        context,
+    );
+}
+
+/// The one wait of the harness: retries `check` every `every` until it
+/// holds; after `within` panics with `what` and `context()`. A test that
+/// reports how long something took polls often (20 ms) so that the figure
+/// is not off by a whole poll; it never asserts the figure.
+pub fn poll_until(
+    within: Duration,
+    every: Duration,
+    what: &str,
+    check: impl Fn() -> bool,
+    context: impl Fn() -> String,
+) {
+    let deadline = std::time::Instant::now() + within;
     while std::time::Instant::now() < deadline {
         if check() {
             return;
         }
-        std::thread::sleep(std::time::Duration::from_millis(100));
+        std::thread::sleep(every);
     }
-    panic!("{what}: not reached in 10 s\n{}", context());
+    panic!("{what}: not reached in {within:?}\n{}", context());
 }
 
 /// Panics, saying why, unless this process can create network namespaces and
@@ -113,7 +136,7 @@ pub fn remove_own() {
             }
         }
     }
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    std::thread::sleep(Duration::from_millis(300));
     let own = format!("{NAME_PREFIX}{}-", std::process::id());
     remove_matching(|name| name.starts_with(&own));
 }

@@ -85,14 +85,7 @@ impl Sandbox {
     /// Retries `check` until it holds (the agent applies edits within its
     /// 100 ms poll); panics with the agents' logs after 10 s.
     fn eventually(&self, what: &str, check: impl Fn() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if check() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("{what}: not reached in 10 s\n{}", self.logs());
+        dataplane_tests::eventually(what, check, || self.logs());
     }
 
     /// A counter or gauge of agent `node`'s /metrics (0 when absent).

@@ -6,7 +6,7 @@ use std::{
     collections::BTreeSet,
     io::ErrorKind,
     net::{Ipv4Addr, SocketAddrV4, TcpListener},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use dataplane_agent::k8s::manifests::{Objects, load_text};
@@ -79,14 +79,13 @@ impl Sandbox {
     }
 
     fn eventually(&self, what: &str, check: impl Fn() -> bool) {
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if check() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        panic!("{what}: not reached in 15 s\n{}", self.agent.log_text());
+        dataplane_tests::poll_until(
+            Duration::from_secs(15),
+            Duration::from_millis(100),
+            what,
+            check,
+            || self.agent.log_text(),
+        );
     }
 }
 

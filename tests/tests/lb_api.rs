@@ -5,13 +5,10 @@
 //! Conflicts, re-learning after a restart or a change of leader, and
 //! election hand-over on expiry and on release.
 
-use std::{
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use dataplane_agent::{
-    agent::metrics::{Metrics, SharedMetrics},
+    lb::metrics::SharedLbMetrics,
     lb::{
         ApiAccess, IPAM_LEASE, LbConfig, LbController,
         lease::{Candidate, Elector, Intent, LeaseTiming},
@@ -31,7 +28,7 @@ const LEASE_NS: &str = "kube-dataplane";
 
 struct Setup {
     api: FakeApiServer,
-    metrics: SharedMetrics,
+    metrics: SharedLbMetrics,
     ns: NetNs,
 }
 
@@ -41,7 +38,7 @@ impl Setup {
         let ns = NetNs::new(&format!("{}-api", unique_prefix()));
         Self {
             api: FakeApiServer::start(&ns),
-            metrics: Arc::new(Mutex::new(Metrics::default())),
+            metrics: SharedLbMetrics::default(),
             ns,
         }
     }
@@ -208,8 +205,10 @@ fn the_allocator_serves_its_class_only_and_writes_status_conditions_and_events()
         );
         assert!(s.status_writes(other).is_empty(), "{other}: no status write");
     }
+    // Each Service's event is posted on its own: wait for the ones asserted.
     s.wait("events posted", || {
-        !s.events("IPAllocated").is_empty() && !s.events("InvalidRequest").is_empty()
+        s.events("IPAllocated").contains(&("Normal".into(), "web".into()))
+            && !s.events("InvalidRequest").is_empty()
     });
     assert!(s.events("IPAllocated").contains(&("Normal".into(), "web".into())));
     assert_eq!(
@@ -243,7 +242,7 @@ fn the_allocator_serves_its_class_only_and_writes_status_conditions_and_events()
         .get("Lease", LEASE_NS, IPAM_LEASE)
         .expect("the allocator's Lease");
     assert_eq!(lease["spec"]["holderIdentity"], "node1");
-    assert!(s.metrics.lock().unwrap().lb.ipam_leader);
+    assert!(s.metrics.lock().unwrap().ipam_leader);
 
     // Allocation latency: from the Service's creation to its status.
     let started = Instant::now();
@@ -410,7 +409,7 @@ fn status_writes_are_retried_after_rereading_on_resource_version_conflicts() {
         .filter(|w| w.starts_with("GET /api/v1/namespaces/default/services/web "))
         .count();
     assert_eq!(rereads, 3, "one read after each conflict");
-    assert_eq!(s.metrics.lock().unwrap().lb.status_conflicts, 3);
+    assert_eq!(s.metrics.lock().unwrap().status_conflicts, 3);
 }
 
 #[test]

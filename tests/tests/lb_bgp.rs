@@ -20,7 +20,7 @@ use dataplane_tests::{
     echo::EchoServer,
     fake_api::FakeApiServer,
     lb::{CLASS, endpoint_slice, pool, quick_request, service},
-    require_privileges, unique_prefix,
+    poll_until, require_privileges, unique_prefix,
 };
 use serde_json::{Value, json};
 
@@ -129,8 +129,9 @@ impl Sandbox {
             args.extend_from_slice(agent_args);
             agents.push(cluster.start_agent_with_source(BIN, i, "kubernetes", &args));
             // The sidecar starts on what the agent rendered.
-            wait_for(
+            poll_until(
                 Duration::from_secs(20),
+                POLL,
                 "the agent renders BIRD's configuration",
                 || conf.exists(),
                 || agents[i].log_text(),
@@ -181,8 +182,9 @@ impl Sandbox {
     fn wait_hops(&self, nodes: &[usize], within: Duration) -> Duration {
         let want = self.node_ips(nodes);
         let start = Instant::now();
-        wait_for(
+        poll_until(
             within,
+            POLL,
             &format!("next hops {want:?}"),
             || self.hops() == want,
             || format!("hops: {:?}\n{}", self.hops(), self.context()),
@@ -236,19 +238,9 @@ impl Sandbox {
     }
 }
 
-/// Polls `check` every 20 ms until it holds; panics after `within`.
-fn wait_for(within: Duration, what: &str, check: impl Fn() -> bool, context: impl Fn() -> String) {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if check() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    panic!("{what}: not reached in {within:?}\n{}", context());
-}
-
 const SETTLE: Duration = Duration::from_secs(30);
+/// Waits poll often: some of them measure how long a router took.
+const POLL: Duration = Duration::from_millis(20);
 
 #[test]
 fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
@@ -262,8 +254,9 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
     );
     for n in 0..3 {
         // The agents read the sessions back every 2 s.
-        wait_for(
+        poll_until(
             SETTLE,
+            POLL,
             "the agent reports the session and its route",
             || {
                 s.metric(n, "dataplane_bgp_routes_exported{peer=\"tor\"}") == Some(1)
@@ -312,8 +305,9 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
     // good session keeps its routes.
     s.api.apply(&peer("nowhere", "198.18.0.99", ROUTER_ASN, false));
     s.api.apply(&peer("bad", "198.18.0.98", 0, false));
-    wait_for(
+    poll_until(
         SETTLE,
+        POLL,
         "the bad peers reported",
         || {
             s.metric(0, "dataplane_bgp_invalid_objects{kind=\"BGPPeer\"}") == Some(1)
@@ -348,8 +342,9 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
     // keeps serving; the restarted speaker comes back with the routes.
     s.birds[2].kill();
     s.wait_hops(&[0, 1], SETTLE);
-    wait_for(
+    poll_until(
         SETTLE,
+        POLL,
         "speaker down reported",
         || s.metric(2, "dataplane_bgp_speaker_up") == Some(0),
         || s.context(),
@@ -365,8 +360,9 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         .expect("node3 still serves its NodePort");
     s.birds[2].restart();
     s.wait_hops(&[0, 1, 2], SETTLE);
-    wait_for(
+    poll_until(
         SETTLE,
+        POLL,
         "speaker up again",
         || s.metric(2, "dataplane_bgp_speaker_up") == Some(1),
         || s.context(),
@@ -377,8 +373,9 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
     s.api
         .apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN + 1, false));
     s.wait_hops(&[], SETTLE);
-    wait_for(
+    poll_until(
         SETTLE,
+        POLL,
         "the refused session reported with its reason",
         || s.inspect_bgp(0, "table").contains("Bad peer AS"),
         || s.inspect_bgp(0, "table"),
@@ -412,8 +409,9 @@ fn a_lost_node_is_withdrawn_within_a_second_with_bfd() {
     let s = Sandbox::new(true, &[]);
     s.wait_hops(&[0, 1, 2], SETTLE);
     // BFD sessions up on the router before the loss is measured.
-    wait_for(
+    poll_until(
         SETTLE,
+        POLL,
         "BFD sessions up",
         || s.router.birdc("show bfd sessions").matches(" Up ").count() == 3,
         || s.router.birdc("show bfd sessions"),
@@ -552,8 +550,9 @@ fn l2_and_bgp_serve_different_pools_side_by_side() {
             &dataplane_agent::lb::announce::lease_name(&IpAddr::V4(ip)),
         )
     };
-    wait_for(
+    poll_until(
         SETTLE,
+        POLL,
         "the LAN address assigned and elected",
         || {
             s.api
@@ -563,8 +562,9 @@ fn l2_and_bgp_serve_different_pools_side_by_side() {
         },
         || s.context(),
     );
-    wait_for(
+    poll_until(
         SETTLE,
+        POLL,
         "the LAN address answers through ARP",
         || quick_request(&s.cluster.client.ns, (lan_ip, 80), Duration::from_millis(500)).is_ok(),
         || s.context(),
@@ -574,8 +574,9 @@ fn l2_and_bgp_serve_different_pools_side_by_side() {
     assert_eq!(s.hops(), s.node_ips(&[0, 1, 2]));
     quick_request(&s.cluster.client.ns, (LB_IP, 80), Duration::from_secs(2)).expect("the BGP address");
     // (An announcer may have taken it before the pool said no: it deletes it.)
-    wait_for(
+    poll_until(
         SETTLE,
+        POLL,
         "no L2 lease for a pool with l2Announce: false",
         || lease(LB_IP).is_none(),
         || format!("{:?}", lease(LB_IP)),
