@@ -1,6 +1,8 @@
-//! The daemon: opens the pinned datapath, attaches it, starts the health
-//! and metrics servers, the sources and the load-balancer controllers, then
-//! hands over to the control loop ([`super::control`]).
+//! The daemon, assembled in named phases that [`run`] calls in order:
+//! [`open_datapath`] (the pins), [`Servers::start`] (health and metrics bind
+//! before anything changes), [`start_source`], [`adopt_table`] (the service
+//! table the pins hold), [`attach`] and [`attach_pods`] (the hooks), and
+//! [`start_load_balancers`]; then the control loop ([`super::control`]).
 
 use std::{
     collections::BTreeSet,
@@ -127,6 +129,9 @@ fn one_malloc_arena() {
     }
 }
 
+/// The daemon, in the order its phases run: the pinned datapath, the
+/// servers, the source, the service table adopted from the pins, the hooks
+/// attached, the load balancers, then the control loop until a signal.
 pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
     one_malloc_arena();
     let mut external =
@@ -134,10 +139,71 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
     cfg.devices = external.iter().map(|d| d.name.clone()).collect();
     let (events_tx, events) = mpsc::channel();
     stop_on_signal(events_tx.clone());
-    let opts = load_options(&cfg);
-    // The pins first: a second agent on them stops here, before it touches
-    // anything.
-    let mut dp = Datapath::open_pinned(&opts, &cfg.bpffs_dir)
+    let mut dp = open_datapath(&cfg)?;
+    let servers = Servers::start(&cfg)?;
+    let feed = start_source(&cfg, &servers.metrics, &events_tx)?;
+    let (syncer, dp_config) = adopt_table(&cfg, &mut dp)?;
+    attach(&cfg, &mut dp, &mut external)?;
+    let pods = attach_pods(&cfg, &mut dp, &external, &events_tx)?;
+    pods.publish(&external, &servers.health, &servers.metrics);
+    // The counters read the maps in their final shape (after the resize).
+    let _ = servers
+        .counters
+        .set(DatapathCounters::open(&cfg.bpffs_dir).context("opening the pinned maps for the counters")?);
+    // Expired entries of the established conntrack tables (which never
+    // evict) are collected on their own thread.
+    let _conntrack_gc = super::ct_gc::ConntrackGc::start(&cfg.bpffs_dir, servers.metrics.clone())
+        .context("opening the pinned maps for the conntrack collector")?;
+    let service_health = ServiceHealthServers::new(
+        &servers.http,
+        servers.health_addr.ip(),
+        servers.health.clone(),
+        cfg.sync_period,
+    );
+    info!(node = %cfg.node_name, health = %cfg.health_bind_address, metrics = %cfg.metrics_bind_address, "agent running");
+    let _lb = start_load_balancers(&cfg, &servers)?;
+
+    let control = ControlLoop {
+        node_name: cfg.node_name.clone(),
+        node_ips: cfg.node_ips.clone(),
+        node_port_addresses: cfg.node_port_addresses.clone(),
+        lb_defaults: cfg.lb_defaults,
+        bpffs_dir: cfg.bpffs_dir.display().to_string(),
+        timing: Timing {
+            min_sync_period: cfg.min_sync_period,
+            sync_period: cfg.sync_period,
+            ..Timing::default()
+        },
+        events,
+        feed,
+        syncer,
+        dp,
+        metrics: servers.metrics.clone(),
+        dp_config,
+        cluster_cidrs: cfg.cluster_cidrs.clone(),
+        service_cidr_flags: cfg.service_cidrs.clone(),
+    };
+    let mut hooks = AgentHooks {
+        cfg: &cfg,
+        health: servers.health.clone(),
+        metrics: servers.metrics.clone(),
+        service_health,
+        pods,
+        external,
+        reported: BTreeSet::new(),
+    };
+    control.run(&mut hooks)?;
+    info!(
+        "stopping; the datapath stays attached (pinned under {})",
+        cfg.bpffs_dir.display()
+    );
+    Ok(())
+}
+
+/// The pins first: a second agent on them stops here, before it touches
+/// anything.
+fn open_datapath(cfg: &RunConfig) -> anyhow::Result<Datapath> {
+    let dp = Datapath::open_pinned(&load_options(cfg), &cfg.bpffs_dir)
         .with_context(|| format!("opening the datapath pinned under {}", cfg.bpffs_dir.display()))?;
     for r in dp.resized() {
         info!(
@@ -147,28 +213,63 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
             "resized a pinned map to the configured capacity"
         );
     }
-    let metrics = Arc::new(Mutex::new(Metrics::default()));
-    // The servers bind before anything is attached or changed: a port in
-    // use stops a start here, with the datapath as it was.
-    let health = Arc::new(Mutex::new(HealthState {
-        node_eligible: true,
-        ..Default::default()
-    }));
-    let http = http::ServerRuntime::start().context("starting the HTTP servers' runtime")?;
-    let health_addr = health_bind_address(&cfg.health_bind_address, &cfg.families())?;
-    let _health_server = health::proxy_server(&http, health_addr, health.clone(), cfg.sync_period)
-        .with_context(|| format!("binding the health server on {health_addr}"))?;
-    let counters = Arc::new(OnceLock::<DatapathCounters>::new());
-    let _metrics_server = metrics::server(&http, &cfg.metrics_bind_address, metrics.clone(), {
-        let counters = counters.clone();
-        move |m| {
-            if let Some(c) = counters.get() {
-                c.refresh(m)
+    Ok(dp)
+}
+
+/// The health and metrics servers, and what they read.
+struct Servers {
+    metrics: Arc<Mutex<Metrics>>,
+    health: Arc<Mutex<HealthState>>,
+    health_addr: std::net::SocketAddr,
+    /// Set once the maps have their final shape.
+    counters: Arc<OnceLock<DatapathCounters>>,
+    http: http::ServerRuntime,
+    _health_server: http::Server,
+    _metrics_server: http::Server,
+}
+
+impl Servers {
+    /// The servers bind before anything is attached or changed: a port in
+    /// use stops a start here, with the datapath as it was.
+    fn start(cfg: &RunConfig) -> anyhow::Result<Self> {
+        let metrics = Arc::new(Mutex::new(Metrics::default()));
+        let health = Arc::new(Mutex::new(HealthState {
+            node_eligible: true,
+            ..Default::default()
+        }));
+        let http = http::ServerRuntime::start().context("starting the HTTP servers' runtime")?;
+        let health_addr = health_bind_address(&cfg.health_bind_address, &cfg.families())?;
+        let health_server = health::proxy_server(&http, health_addr, health.clone(), cfg.sync_period)
+            .with_context(|| format!("binding the health server on {health_addr}"))?;
+        let counters = Arc::new(OnceLock::<DatapathCounters>::new());
+        let metrics_server = metrics::server(&http, &cfg.metrics_bind_address, metrics.clone(), {
+            let counters = counters.clone();
+            move |m| {
+                if let Some(c) = counters.get() {
+                    c.refresh(m)
+                }
             }
-        }
-    })
-    .with_context(|| format!("binding the metrics server on {}", cfg.metrics_bind_address))?;
-    let feed = match &cfg.source {
+        })
+        .with_context(|| format!("binding the metrics server on {}", cfg.metrics_bind_address))?;
+        Ok(Self {
+            metrics,
+            health,
+            health_addr,
+            counters,
+            http,
+            _health_server: health_server,
+            _metrics_server: metrics_server,
+        })
+    }
+}
+
+/// The Kubernetes watch or the manifest files, feeding the control loop.
+fn start_source(
+    cfg: &RunConfig,
+    metrics: &Arc<Mutex<Metrics>>,
+    events_tx: &mpsc::Sender<Event>,
+) -> anyhow::Result<Feed> {
+    Ok(match &cfg.source {
         Source::Manifests(paths) => Feed::Manifests(Box::new(
             ManifestFeed::start(paths.clone(), &cfg.node_name, metrics.clone(), events_tx.clone())
                 .context("watching the manifests")?,
@@ -182,8 +283,13 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
             )
             .context("starting the Kubernetes source")?,
         ),
-    };
-    let dp_config = datapath_config(&cfg);
+    })
+}
+
+/// Writes the config and adopts the service table the pins hold (a restart
+/// changes nothing that is still right).
+fn adopt_table(cfg: &RunConfig, dp: &mut Datapath) -> anyhow::Result<(Syncer, DatapathConfig)> {
+    let dp_config = datapath_config(cfg);
     dp.maps_mut()
         .set_config(&dp_config)
         .context("writing the datapath config")?;
@@ -199,15 +305,19 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
     crate::state::diff::MapWriter::adopt(dp.maps_mut(), &adopted)
         .context("rebuilding the Maglev tables and DSR entries")?;
     let syncer = Syncer::adopt(&adopted, &cfg.node_name, cfg.max_services, cfg.max_backends);
-    drop(adopted);
+    Ok((syncer, dp_config))
+}
+
+/// The external devices' hooks and connect-time translation.
+fn attach(cfg: &RunConfig, dp: &mut Datapath, external: &mut [ExternalDevice]) -> anyhow::Result<()> {
     // Egress trusts no device's ingress word while the programs change (an
     // XDP/TC switch runs both on a device for a moment, and one could
     // translate a packet the other then judges untranslated); the pod
-    // interfaces' first poll below names the devices it trusts.
+    // interfaces' first poll names the devices it trusts.
     dp.maps_mut()
         .set_hint_devices(&Default::default())
         .context("clearing the devices whose ingress word egress trusts")?;
-    for dev in &mut external {
+    for dev in external.iter_mut() {
         let a = dp
             .attach_external(&dev.name, cfg.xdp_mode)
             .with_context(|| format!("attaching to external device {}", dev.name))?;
@@ -236,13 +346,24 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         })?;
         info!(cgroup = %cgroup.display(), replaced = how == Attached::Replaced, host_only = cfg.socket_lb_host_only, "attached connect-time translation");
     }
+    Ok(())
+}
+
+/// The pod interfaces found and hooked, then the pins tidied (the resize
+/// finished, foreign maps and stale links removed).
+fn attach_pods(
+    cfg: &RunConfig,
+    dp: &mut Datapath,
+    external: &[ExternalDevice],
+    events_tx: &mpsc::Sender<Event>,
+) -> anyhow::Result<PodInterfaces> {
     let mut pods = PodInterfaces::new(cfg.pod_interfaces.clone(), cfg.devices.clone());
-    pods.set_external_hooks(&external);
+    pods.set_external_hooks(external);
     // Notifications wake the control loop, which rescans.
     if let Some(watch) = pods.take_watch() {
         watch_links(watch, events_tx.clone());
     }
-    pods.poll(&mut dp, true);
+    pods.poll(dp, true);
     for (map, copied) in dp
         .finish_resize()
         .context("finishing the resize of pinned maps")?
@@ -257,25 +378,21 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
             info!(link = %l, "removed the pin of a link whose device is gone");
         }
     }
+    Ok(pods)
+}
 
-    pods.publish(&external, &health, &metrics);
-    // The counters read the maps in their final shape (after the resize).
-    let _ = counters
-        .set(DatapathCounters::open(&cfg.bpffs_dir).context("opening the pinned maps for the counters")?);
-    // Expired entries of the established conntrack tables (which never
-    // evict) are collected on their own thread.
-    let _conntrack_gc = super::ct_gc::ConntrackGc::start(&cfg.bpffs_dir, metrics.clone())
-        .context("opening the pinned maps for the conntrack collector")?;
-    let service_health = ServiceHealthServers::new(&http, health_addr.ip(), health.clone(), cfg.sync_period);
-    info!(node = %cfg.node_name, health = %cfg.health_bind_address, metrics = %cfg.metrics_bind_address, "agent running");
-    // LoadBalancer address allocation and L2 announcements: their own
-    // thread and watches; stopping releases their Leases.
+/// LoadBalancer address allocation, L2 and BGP announcements: their own
+/// thread and watches; stopping releases their Leases and withdraws.
+fn start_load_balancers(
+    cfg: &RunConfig,
+    servers: &Servers,
+) -> anyhow::Result<Option<crate::lb::LbController>> {
     let l2_interfaces = if cfg.lb.l2_interfaces.is_empty() {
         &cfg.devices
     } else {
         &cfg.lb.l2_interfaces
     };
-    let _lb = crate::lb::LbController::start(
+    let lb = crate::lb::LbController::start(
         crate::lb::ApiAccess {
             api_server: cfg.k8s_api_server.clone(),
             kubeconfig: cfg.kubeconfig.clone(),
@@ -283,48 +400,13 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         &cfg.node_name,
         &cfg.lb,
         l2_interfaces,
-        metrics.lock().expect("metrics").lb.clone(),
+        servers.metrics.lock().expect("metrics").lb.clone(),
     )
     .context("starting the load-balancer controllers")?;
-    if let Some(bgp) = _lb.as_ref().and_then(|l| l.bgp_status()) {
-        health.lock().expect("health").bgp = Some(bgp);
+    if let Some(bgp) = lb.as_ref().and_then(|l| l.bgp_status()) {
+        servers.health.lock().expect("health").bgp = Some(bgp);
     }
-
-    let control = ControlLoop {
-        node_name: cfg.node_name.clone(),
-        node_ips: cfg.node_ips.clone(),
-        node_port_addresses: cfg.node_port_addresses.clone(),
-        lb_defaults: cfg.lb_defaults,
-        bpffs_dir: cfg.bpffs_dir.display().to_string(),
-        timing: Timing {
-            min_sync_period: cfg.min_sync_period,
-            sync_period: cfg.sync_period,
-            ..Timing::default()
-        },
-        events,
-        feed,
-        syncer,
-        dp,
-        metrics: metrics.clone(),
-        dp_config,
-        cluster_cidrs: cfg.cluster_cidrs.clone(),
-        service_cidr_flags: cfg.service_cidrs.clone(),
-    };
-    let mut hooks = AgentHooks {
-        cfg: &cfg,
-        health,
-        metrics,
-        service_health,
-        pods,
-        external,
-        reported: BTreeSet::new(),
-    };
-    control.run(&mut hooks)?;
-    info!(
-        "stopping; the datapath stays attached (pinned under {})",
-        cfg.bpffs_dir.display()
-    );
-    Ok(())
+    Ok(lb)
 }
 
 /// What the agent does around the control loop: health, events, pod
