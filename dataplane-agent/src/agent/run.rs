@@ -1,8 +1,8 @@
 //! The daemon, assembled in named phases that [`run`] calls in order:
-//! [`open_datapath`] (the pins), [`Servers::start`] (health and metrics bind
-//! before anything changes), [`start_source`], [`adopt_table`] (the service
-//! table the pins hold), [`attach`] and [`attach_pods`] (the hooks), and
-//! [`start_load_balancers`]; then the control loop ([`super::control`]).
+//! `open_datapath` (the pins), `Servers::start` (health and metrics bind
+//! before anything changes), `start_source`, `adopt_table` (the service
+//! table the pins hold), `attach` and `attach_pods` (the hooks), and
+//! `start_load_balancers`; then the control loop ([`super::control`]).
 
 use std::{
     collections::BTreeSet,
