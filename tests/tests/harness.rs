@@ -121,3 +121,73 @@ fn a_killed_runs_bpffs_mount_is_swept_by_the_next_run() {
         stale.path().display()
     );
 }
+
+/// `NetNs::run` hands closures to long-lived threads inside the namespace
+/// (not a thread per call): one thread serves a caller's successive calls,
+/// callers on several threads still run at once, a nested call gets a
+/// thread of its own, panics reach the caller, and the threads are gone
+/// once the namespace is dropped.
+#[test]
+fn netns_run_reuses_threads_inside_the_namespace_and_stops_them_on_drop() {
+    use std::{
+        collections::BTreeSet,
+        os::unix::fs::MetadataExt as _,
+        sync::atomic::{AtomicUsize, Ordering},
+        time::{Duration, Instant},
+    };
+
+    use dataplane_tests::netns::NetNs;
+
+    dataplane_tests::require_privileges();
+    let ns = NetNs::new(&format!("{}-run", dataplane_tests::unique_prefix()));
+    let path = ns.path();
+    let ns_inode = std::fs::metadata(&path).unwrap().ino();
+    // SAFETY: plain syscall.
+    let tid = || unsafe { libc::gettid() };
+    let inside = || std::fs::metadata("/proc/thread-self/ns/net").unwrap().ino() == ns_inode;
+
+    assert!(ns.run(inside), "run's thread is inside the namespace");
+    assert!(!inside(), "the caller's thread is not");
+    let tids: BTreeSet<i32> = (0..1000).map(|_| ns.run(tid)).collect();
+    assert_eq!(tids.len(), 1, "1000 calls from one thread, one worker: {tids:?}");
+
+    // Two callers at once: each closure waits for the other to start.
+    let started = AtomicUsize::new(0);
+    let met = || {
+        started.fetch_add(1, Ordering::SeqCst);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while started.load(Ordering::SeqCst) < 2 {
+            if Instant::now() > deadline {
+                return None;
+            }
+            std::thread::yield_now();
+        }
+        Some(tid())
+    };
+    let parallel: Vec<Option<i32>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2).map(|_| s.spawn(|| ns.run(met))).collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(
+        parallel.iter().all(Option::is_some) && parallel[0] != parallel[1],
+        "concurrent callers ran at once, on two workers: {parallel:?}"
+    );
+
+    let (outer, nested) = ns.run(|| (tid(), ns.run(tid)));
+    assert_ne!(outer, nested, "a nested call runs on another worker");
+
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| ns.run(|| panic!("boom"))))
+        .expect_err("the closure's panic reaches the caller");
+    assert_eq!(panic.downcast_ref::<&str>(), Some(&"boom"));
+    assert!(ns.run(inside), "run works after a panic");
+
+    let workers: BTreeSet<i32> = tids.into_iter().chain(parallel.into_iter().flatten()).collect();
+    drop(ns);
+    assert!(!path.exists(), "{} deleted", path.display());
+    for t in workers {
+        assert!(
+            !std::path::Path::new(&format!("/proc/self/task/{t}")).exists(),
+            "worker thread {t} still runs after the namespace was dropped"
+        );
+    }
+}
