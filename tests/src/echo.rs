@@ -5,17 +5,28 @@
 //! (UDP) the server answers `"<server-name> <peer-ip>:<peer-port> <request>\n"`.
 //! The peer is the source address the server's socket saw, which is what
 //! SNAT/source-preservation tests assert on.
+//!
+//! Each server is one thread running a single-threaded tokio runtime: its
+//! socket is bound inside the namespace (through [`NetNs::run`]) and stays
+//! there, and every connection is a task on that thread, not a thread of
+//! its own. A thread per connection made the agent suite's traffic
+//! generators create tens of thousands of threads per test binary, more
+//! than `pid_max` (32768) so that thread ids wrapped, and one run hung for
+//! good joining a thread. Dropping a server stops it at once: the listener
+//! and every connection it holds are closed, the thread joined.
 
 use std::{
     io::{BufRead as _, BufReader, Write as _},
-    net::{SocketAddr, SocketAddrV4, TcpListener, TcpStream, UdpSocket},
+    net::{SocketAddr, SocketAddrV4, TcpStream, UdpSocket},
     os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd},
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::Arc,
     thread::JoinHandle,
     time::Duration,
+};
+
+use tokio::{
+    io::{AsyncBufReadExt as _, AsyncWriteExt as _},
+    sync::oneshot,
 };
 
 use crate::netns::NetNs;
@@ -54,12 +65,13 @@ pub(crate) fn answer(server: &str, peer: SocketAddr, request: &str) -> String {
     format!("{server} {peer} {request}\n")
 }
 
-/// A running echo server; stopped (socket closed, thread joined) on drop.
+/// A running echo server; stopped (socket and connections closed, thread
+/// joined) on drop.
 #[derive(Debug)]
 pub struct EchoServer {
     pub addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    fd: i32,
+    /// Dropped to stop the server.
+    stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -69,31 +81,38 @@ impl EchoServer {
         Self::tcp_with(ns, name, addr.into(), serve_tcp)
     }
 
-    /// A TCP server on `addr` in `ns` running `serve(name, connection)` on
-    /// a thread per connection.
-    fn tcp_with(ns: &NetNs, name: &str, addr: SocketAddr, serve: fn(&str, TcpStream)) -> Self {
+    /// A TCP server on `addr` in `ns` running `serve(name, connection,
+    /// peer)` as a task per connection.
+    fn tcp_with<F>(
+        ns: &NetNs,
+        name: &str,
+        addr: SocketAddr,
+        serve: fn(Arc<str>, tokio::net::TcpStream, SocketAddr) -> F,
+    ) -> Self
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
         let listener = ns
-            .run(|| TcpListener::bind(addr))
+            .run(|| std::net::TcpListener::bind(addr))
             .unwrap_or_else(|e| panic!("bind tcp {addr} in {}: {e}", ns.name()));
-        let fd = listener.as_raw_fd();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (name, stop2) = (name.to_owned(), stop.clone());
-        let thread = std::thread::spawn(move || {
-            for conn in listener.incoming() {
-                if stop2.load(Ordering::Relaxed) {
-                    break;
+        let (rt, listener) = runtime_with(|| {
+            listener.set_nonblocking(true)?;
+            tokio::net::TcpListener::from_std(listener)
+        })
+        .unwrap_or_else(|e| panic!("tcp server {addr} in {}: {e}", ns.name()));
+        let name: Arc<str> = name.into();
+        Self::start(addr, rt, async move {
+            loop {
+                match listener.accept().await {
+                    Ok((conn, peer)) => {
+                        tokio::spawn(serve(name.clone(), conn, peer));
+                    }
+                    // Out of descriptors, say: try again shortly, without
+                    // spinning the thread its connections share.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(10)).await,
                 }
-                let Ok(conn) = conn else { continue };
-                let name = name.clone();
-                std::thread::spawn(move || serve(&name, conn));
             }
-        });
-        Self {
-            addr,
-            stop,
-            fd,
-            thread: Some(thread),
-        }
+        })
     }
 
     /// Starts a UDP echo server named `name` bound to `addr` in `ns`.
@@ -102,37 +121,78 @@ impl EchoServer {
         let socket = ns
             .run(|| UdpSocket::bind(addr))
             .unwrap_or_else(|e| panic!("bind udp {addr} in {}: {e}", ns.name()));
-        let fd = socket.as_raw_fd();
-        let stop = Arc::new(AtomicBool::new(false));
-        let (name, stop2) = (name.to_owned(), stop.clone());
-        let thread = std::thread::spawn(move || {
+        let (rt, socket) = runtime_with(|| {
+            socket.set_nonblocking(true)?;
+            tokio::net::UdpSocket::from_std(socket)
+        })
+        .unwrap_or_else(|e| panic!("udp server {addr} in {}: {e}", ns.name()));
+        let name = name.to_owned();
+        Self::start(addr, rt, async move {
             let mut buf = [0u8; 2048];
-            while !stop2.load(Ordering::Relaxed) {
-                let Ok((n, peer)) = socket.recv_from(&mut buf) else {
+            loop {
+                let Ok((n, peer)) = socket.recv_from(&mut buf).await else {
                     continue;
                 };
-                if n == 0 && stop2.load(Ordering::Relaxed) {
-                    break;
-                }
                 let request = String::from_utf8_lossy(&buf[..n]);
-                let _ = socket.send_to(answer(&name, peer, request.trim_end()).as_bytes(), peer);
+                let _ = socket
+                    .send_to(answer(&name, peer, request.trim_end()).as_bytes(), peer)
+                    .await;
             }
-        });
+        })
+    }
+
+    /// Runs `server` on `rt` on a thread of its own until the server is
+    /// dropped; the runtime, and every task on it, goes with it.
+    fn start(
+        addr: SocketAddr,
+        rt: tokio::runtime::Runtime,
+        server: impl Future<Output = ()> + Send + 'static,
+    ) -> Self {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("echo {addr}"))
+            .spawn(move || {
+                rt.block_on(async move {
+                    tokio::select! {
+                        _ = stopped => {}
+                        () = server => {}
+                    }
+                });
+            })
+            .expect("spawn an echo server thread");
         Self {
             addr,
-            stop,
-            fd,
+            stop: Some(stop),
             thread: Some(thread),
         }
     }
 }
 
-fn serve_tcp(name: &str, conn: TcpStream) {
-    let Ok(peer) = conn.peer_addr() else { return };
-    let Ok(mut writer) = conn.try_clone() else { return };
-    for line in BufReader::new(conn).lines() {
-        let Ok(line) = line else { return };
-        if writer.write_all(answer(name, peer, &line).as_bytes()).is_err() {
+/// A single-threaded runtime and what `register` (a socket handed to it)
+/// returned, run in the runtime's context.
+fn runtime_with<T>(
+    register: impl FnOnce() -> std::io::Result<T>,
+) -> std::io::Result<(tokio::runtime::Runtime, T)> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()?;
+    let registered = {
+        let _context = rt.enter();
+        register()?
+    };
+    Ok((rt, registered))
+}
+
+async fn serve_tcp(name: Arc<str>, conn: tokio::net::TcpStream, peer: SocketAddr) {
+    let (read, mut write) = conn.into_split();
+    let mut lines = tokio::io::BufReader::new(read).lines();
+    while let Ok(Some(line)) = lines.next_line().await {
+        if write
+            .write_all(answer(&name, peer, &line).as_bytes())
+            .await
+            .is_err()
+        {
             return;
         }
     }
@@ -140,13 +200,9 @@ fn serve_tcp(name: &str, conn: TcpStream) {
 
 impl Drop for EchoServer {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        // shutdown(2) wakes a thread blocked in accept(2); UDP servers wake
-        // on their read timeout.
-        if self.fd >= 0 {
-            // SAFETY: the fd stays open until the thread (which owns it) exits.
-            unsafe { libc::shutdown(self.fd, libc::SHUT_RDWR) };
-        }
+        // Closing the channel ends the server's `select!`; dropping the
+        // runtime on its thread closes its sockets.
+        self.stop.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -327,22 +383,24 @@ impl HttpServer {
     }
 }
 
-fn serve_http(name: &str, conn: TcpStream) {
-    let Ok(peer) = conn.peer_addr() else { return };
-    let mut reader = BufReader::new(&conn);
+async fn serve_http(name: Arc<str>, conn: tokio::net::TcpStream, peer: SocketAddr) {
+    let mut conn = tokio::io::BufReader::new(conn);
     let mut line = String::new();
     // The request line and headers, up to the empty line.
-    while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+    while conn.read_line(&mut line).await.is_ok_and(|n| n > 2) {
         line.clear();
     }
     let body = format!("{name} saw {peer}\n");
-    let _ = (&conn).write_all(
-        format!(
-            "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
+    let _ = conn
+        .get_mut()
+        .write_all(
+            format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .as_bytes(),
         )
-        .as_bytes(),
-    );
+        .await;
 }
 
 /// GET / from `ns`; the response body.

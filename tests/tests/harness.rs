@@ -191,3 +191,39 @@ fn netns_run_reuses_threads_inside_the_namespace_and_stops_them_on_drop() {
         );
     }
 }
+
+/// An echo server holds many connections at once (tasks on its one
+/// thread, answering in any order) and closes them when dropped.
+#[test]
+fn an_echo_server_serves_concurrent_connections_and_closes_them_on_drop() {
+    use dataplane_tests::echo::TcpClient;
+
+    let mut cluster = Cluster::new();
+    let a = cluster.add_pod(0, "a");
+    let b = cluster.add_pod(1, "b");
+    let (pa, pb) = (&cluster.pods[a], &cluster.pods[b]);
+    let server = EchoServer::tcp(&pb.ns, "b", SocketAddrV4::new(pb.ip, 8080));
+    let mut clients: Vec<TcpClient> = (0..50)
+        .map(|i| TcpClient::connect(&pa.ns, server.addr).unwrap_or_else(|e| panic!("connection {i}: {e}")))
+        .collect();
+    for (i, c) in clients.iter_mut().enumerate().rev() {
+        let reply = c.request(&format!("r{i}")).expect("an answer");
+        assert_eq!(
+            (reply.server.as_str(), reply.peer, reply.payload),
+            ("b", c.local_addr(), format!("r{i}"))
+        );
+    }
+    drop(server);
+    let err = clients[0]
+        .request("after")
+        .expect_err("the server closed its connections");
+    assert!(
+        matches!(
+            err.kind(),
+            std::io::ErrorKind::UnexpectedEof
+                | std::io::ErrorKind::ConnectionReset
+                | std::io::ErrorKind::BrokenPipe
+        ),
+        "{err}"
+    );
+}
