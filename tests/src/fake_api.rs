@@ -169,11 +169,9 @@ impl FakeApiServer {
         }));
         let st = state.clone();
         std::thread::spawn(move || {
+            let mut pool = Pool::new(st);
             for conn in listener.incoming().flatten() {
-                let st = st.clone();
-                std::thread::spawn(move || {
-                    let _ = serve(conn, &st);
-                });
+                pool.dispatch(conn);
             }
         });
         Self { addr, state }
@@ -543,6 +541,57 @@ fn notify(s: &mut State, collection: &'static str, kind: &str, obj: &Value) {
         }
         writeln!(w.stream, "{line}").is_ok()
     });
+}
+
+/// The threads that serve connections, as many as were ever busy at once.
+///
+/// Every response closes its connection (`Connection: close`), so clients
+/// make a connection per request, and a thread per connection created up
+/// to thousands of threads per test (the same pattern in the echo servers
+/// and `NetNs::run` made tens of thousands per test binary, thread ids
+/// wrapped past `pid_max`, and one run hung). A connection still never
+/// waits for another to be served (a client slow to send its request holds
+/// its thread up to the 5 s read timeout): it goes to an idle thread, or to
+/// a new one when none is idle. Watches hand their stream to [`State`] and
+/// free the thread at once.
+struct Pool {
+    conns: std::sync::mpsc::Sender<TcpStream>,
+    queue: Arc<Mutex<std::sync::mpsc::Receiver<TcpStream>>>,
+    /// Threads waiting for a connection nobody dispatched to them yet:
+    /// only the accept thread takes from it, so a load then a decrement
+    /// do not race.
+    idle: Arc<std::sync::atomic::AtomicUsize>,
+    state: Arc<Mutex<State>>,
+}
+
+impl Pool {
+    fn new(state: Arc<Mutex<State>>) -> Self {
+        let (conns, queue) = std::sync::mpsc::channel();
+        Self {
+            conns,
+            queue: Arc::new(Mutex::new(queue)),
+            idle: Arc::default(),
+            state,
+        }
+    }
+
+    fn dispatch(&mut self, conn: TcpStream) {
+        use std::sync::atomic::Ordering;
+        if self.idle.load(Ordering::Acquire) > 0 {
+            self.idle.fetch_sub(1, Ordering::AcqRel);
+        } else {
+            let (queue, idle, state) = (self.queue.clone(), self.idle.clone(), self.state.clone());
+            std::thread::spawn(move || {
+                loop {
+                    let next = queue.lock().unwrap().recv();
+                    let Ok(conn) = next else { return };
+                    let _ = serve(conn, &state);
+                    idle.fetch_add(1, Ordering::AcqRel);
+                }
+            });
+        }
+        let _ = self.conns.send(conn);
+    }
 }
 
 fn respond(conn: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
