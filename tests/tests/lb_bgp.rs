@@ -591,3 +591,70 @@ fn l2_and_bgp_serve_different_pools_side_by_side() {
         );
     }
 }
+
+/// BIRD parses (`bird -p`) what the agent renders with every option: both
+/// families, a port, a password, hold time 0, BFD timers, graceful restart,
+/// standard and large communities, local preference, the withdrawal form,
+/// and a node without IPv4 (the router ID derived from its name).
+#[test]
+fn bird_accepts_every_rendered_option() {
+    use dataplane_agent::lb::{
+        bgp::{bird, plan},
+        crd::{BgpAdvertisement, BgpPeer},
+        request::ClassFilter,
+    };
+    let peers: Vec<BgpPeer> = [
+        json!({"metadata": {"name": "tor-1.rack-a"}, "spec": {"peerAddress": "192.0.2.1", "peerASN": 64500,
+            "myASN": 64512, "port": 1179, "password": "s3cr#t!", "holdTimeSeconds": 0,
+            "bfd": {"minRxMs": 50, "minTxMs": 200, "multiplier": 5}, "gracefulRestart": true}}),
+        json!({"metadata": {"name": "tor6"}, "spec": {"peerAddress": "2001:db8::1", "peerASN": 4200000000u32,
+            "myASN": 4200000000u32}}),
+    ]
+    .map(|v| serde_json::from_value(v).unwrap())
+    .to_vec();
+    let ads: Vec<BgpAdvertisement> = [json!({"metadata": {"name": "all"}, "spec": {
+        "clusterIPs": true, "externalIPs": true,
+        "serviceCIDRs": ["10.96.0.0/12", "fd00:10:96::/112"],
+        "communities": ["65535:65281", "4200000000:1:2"], "localPreference": 4294967295u32}})]
+    .map(|v| serde_json::from_value(v).unwrap())
+    .to_vec();
+    let svc = serde_json::from_value(json!({
+        "metadata": {"name": "web", "namespace": "default"},
+        "spec": {"type": "ClusterIP", "clusterIP": "10.96.0.10", "clusterIPs": ["10.96.0.10", "fd00:10:96::a"],
+                 "externalIPs": ["192.0.2.77", "2001:db8:7::7"], "ports": [{"port": 80}]}
+    }))
+    .unwrap();
+    let classes = ClassFilter {
+        class: dataplane_agent::lb::DEFAULT_CLASS.into(),
+        default_class: false,
+    };
+    let p = plan::plan(&plan::Inputs {
+        node_name: "node-without-ipv4",
+        node: None,
+        classes: &classes,
+        services: vec![&svc],
+        slices: vec![],
+        peers: peers.iter().collect(),
+        advertisements: ads.iter().collect(),
+        pools: vec![],
+    });
+    assert!(p.problems.is_empty(), "{:?}", p.problems);
+    assert_eq!(p.routes.len(), 6, "{:?}", p.routes.keys().collect::<Vec<_>>());
+    let dir = BirdDir::new(&unique_prefix());
+    for (i, withdraw) in [false, true].into_iter().enumerate() {
+        let text = bird::render(&p, "node-without-ipv4", withdraw);
+        let path = dir.path().join(format!("{i}.conf"));
+        std::fs::write(&path, &text).unwrap();
+        let out = std::process::Command::new("bird")
+            .arg("-p")
+            .arg("-c")
+            .arg(&path)
+            .output()
+            .expect("bird (Debian's bird2; `cargo xtask setup`)");
+        assert!(
+            out.status.success(),
+            "BIRD refuses the rendered configuration: {}\n{text}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
