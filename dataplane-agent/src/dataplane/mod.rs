@@ -401,9 +401,8 @@ impl Datapath {
             .into_iter()
             .filter(|n| wanted(n))
         {
-            program::<Xdp>(&mut ebpf, name)?
-                .load()
-                .map_err(|source| DatapathError::Program { name, source })?;
+            let p = program::<Xdp>(&mut ebpf, name)?;
+            load_retrying(name, || p.load())?;
         }
         for name in [
             names::TC_INGRESS,
@@ -414,14 +413,12 @@ impl Datapath {
         .into_iter()
         .filter(|n| wanted(n))
         {
-            program::<SchedClassifier>(&mut ebpf, name)?
-                .load()
-                .map_err(|source| DatapathError::Program { name, source })?;
+            let p = program::<SchedClassifier>(&mut ebpf, name)?;
+            load_retrying(name, || p.load())?;
         }
         for name in SOCK_PROGRAMS.into_iter().filter(|n| wanted(n)) {
-            program::<CgroupSockAddr>(&mut ebpf, name)?
-                .load()
-                .map_err(|source| DatapathError::Program { name, source })?;
+            let p = program::<CgroupSockAddr>(&mut ebpf, name)?;
+            load_retrying(name, || p.load())?;
         }
         fn family<A: family::AbiAddr>(
             ebpf: &mut Ebpf,
@@ -710,6 +707,40 @@ impl Datapath {
     }
 }
 
+/// How many times a program load is tried when the verifier gives up with
+/// EAGAIN (libbpf's count).
+const LOAD_ATTEMPTS: u32 = 5;
+
+/// Loads one program, again when the verifier gave up with EAGAIN: it does
+/// whenever a signal is pending on the loading thread (a child process's
+/// SIGCHLD delivered to it, say), which says nothing about the program.
+/// libbpf retries the same way; aya does not.
+fn load_retrying(
+    name: &'static str,
+    load: impl FnMut() -> Result<(), ProgramError>,
+) -> Result<(), DatapathError> {
+    let gave_up = |e: &ProgramError| matches!(e, ProgramError::LoadError { io_error, .. } if io_error.raw_os_error() == Some(libc::EAGAIN));
+    retry(LOAD_ATTEMPTS, load, gave_up).map_err(|source| DatapathError::Program { name, source })
+}
+
+/// `f` up to `attempts` times while it fails with an error `again` accepts.
+fn retry<T, E>(
+    attempts: u32,
+    mut f: impl FnMut() -> Result<T, E>,
+    again: impl Fn(&E) -> bool,
+) -> Result<T, E> {
+    let mut attempt = 1;
+    loop {
+        match f() {
+            Err(e) if again(&e) && attempt < attempts => {
+                tracing::debug!(attempt, "the verifier gave up with EAGAIN; loading again");
+                attempt += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
 fn program<'a, P>(ebpf: &'a mut Ebpf, name: &'static str) -> Result<&'a mut P, DatapathError>
 where
     &'a mut P: TryFrom<&'a mut aya::programs::Program, Error = ProgramError>,
@@ -970,4 +1001,31 @@ fn take<T>(
 ) -> Result<T, DatapathError> {
     let map = ebpf.take_map(name).ok_or(DatapathError::MissingMap(name))?;
     convert(map).map_err(|source| DatapathError::Map { name, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_load_the_verifier_gave_up_on_is_tried_again_a_few_times() {
+        let eagain = |e: &std::io::Error| e.raw_os_error() == Some(libc::EAGAIN);
+        let calls = std::cell::Cell::new(0);
+        let answer = |errno: i32, ok_at: u32| {
+            calls.set(calls.get() + 1);
+            if calls.get() >= ok_at {
+                Ok(())
+            } else {
+                Err(std::io::Error::from_raw_os_error(errno))
+            }
+        };
+        assert!(retry(LOAD_ATTEMPTS, || answer(libc::EAGAIN, 3), eagain).is_ok());
+        assert_eq!(calls.get(), 3);
+        calls.set(0);
+        assert!(retry(LOAD_ATTEMPTS, || answer(libc::EAGAIN, 99), eagain).is_err());
+        assert_eq!(calls.get(), LOAD_ATTEMPTS);
+        calls.set(0);
+        assert!(retry(LOAD_ATTEMPTS, || answer(libc::EACCES, 99), eagain).is_err());
+        assert_eq!(calls.get(), 1, "a verifier refusal is not retried");
+    }
 }
