@@ -17,8 +17,8 @@ use dataplane_common::{
 use crate::{
     family::Family,
     flow::Choice,
+    hdr::{TCP_FIN, TCP_RST, TCP_SYN},
     maps::CtScratch,
-    parse::{TCP_FIN, TCP_RST, TCP_SYN},
 };
 
 const NS_PER_S: u64 = 1_000_000_000;

@@ -1,6 +1,7 @@
 //! One packet path, two program types: what differs between XDP and TC is
 //! behind [`Ctx`] (as Cilium's `bpf/ctx/{xdp,skb}.h`), so the translation
-//! logic in `path`, `icmp` and `nat` is written once.
+//! logic (`path`, `icmp`, the rewrite in `nat`) is written once over a few
+//! primitive operations: loads and stores, checksum updates, room for headers.
 //!
 //! - Memory: both give direct packet access; an skb may hold part of the
 //!   packet in fragments, so TC first pulls the headers into the linear area.
@@ -27,22 +28,9 @@ use aya_ebpf::{
     },
     programs::{TcContext, XdpContext},
 };
-use dataplane_common::{addr::Addr, config::DpConfig, hint, proto, sctp};
+use dataplane_common::{hint, sctp};
 
-use crate::{
-    csum,
-    family::Family,
-    parse::{Pkt, ip, l4},
-    unaligned,
-};
-
-/// Which half of the tuple a hook rewrites: destinations where packets
-/// enter the node, sources where they leave it.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub enum Side {
-    Src,
-    Dst,
-}
+use crate::{csum, maps::HINT_DEVICES, unaligned};
 
 /// Bytes of headers the TC programs make directly readable: L2 with two
 /// tags, an IPv4 header with options, and an ICMP error's quote (IP header
@@ -70,19 +58,29 @@ pub trait Ctx {
     /// head, so the path pulls only when a parse ran short or before a
     /// reject or an ICMP error's quote is read.
     fn pull_headers(&self) -> bool;
-    /// Rewrites one side's address and port, with the IP (IPv4) and L4
-    /// checksums.
-    fn rewrite<F: Family>(&self, pkt: &Pkt<F::A>, side: Side, addr: F::A, port: u16) -> Option<()>;
-    /// Stores `value` at `offset`; the caller keeps the checksums right.
+    /// Stores `value` at `offset`; the caller keeps the checksums right
+    /// (a change every checksum covering it is updated for, with
+    /// [`Ctx::l3_csum_add`] and [`Ctx::l4_csum_add`]).
     fn store<T: Copy>(&self, offset: usize, value: &T) -> Option<()>;
+    /// Stores a change no one's-complement update balances (SCTP's ports
+    /// and CRC): an skb's CHECKSUM_COMPLETE sum is recomputed.
+    fn store_unbalanced<T: Copy>(&self, offset: usize, value: &T) -> Option<()>;
+    /// Adds the one's-complement delta `diff` (see `csum`) to the IPv4
+    /// header checksum at `offset`.
+    fn l3_csum_add(&self, offset: usize, diff: u32) -> Option<()>;
+    /// Updates the TCP or UDP (`udp`) checksum at `offset` for a change of
+    /// `pseudo` in the pseudo-header (an address) and of `l4` in the L4
+    /// header (a port), each a one's-complement delta (see `csum`). A UDP
+    /// checksum of zero ("none", IPv4) stays zero, and a computed zero is
+    /// sent as 0xffff.
+    fn l4_csum_add(&self, offset: usize, pseudo: u32, l4: u32, udp: bool) -> Option<()>;
+    /// Replaces the SCTP CRC32c at `offset` by the one a change of `delta`
+    /// makes (see `dataplane_common::sctp`).
+    fn sctp_crc_set(&self, offset: usize, delta: u32) -> Option<()>;
 
     /// XDP: forwards translated packets itself under host routing, and
     /// cannot hand an encapsulated packet to the stack (`route`, `dsr`).
     const XDP: bool;
-
-    /// Host routing: sends a translated packet straight to its route's
-    /// device (see `route`); `None` leaves it to the stack.
-    fn route(&self, cfg: &DpConfig) -> Option<Self::Verdict>;
 
     /// The device the packet came in on.
     fn ingress_ifindex(&self) -> u32;
@@ -101,11 +99,6 @@ pub trait Ctx {
     /// Removes the `len` bytes after the Ethernet header (an outer IP
     /// header), keeping the Ethernet header in front.
     fn pop_outer(&self, len: u32, v6: bool) -> Option<()>;
-    /// Whether a new DSR flow's packets can be sent to `backend`'s node
-    /// from this hook: TC always can (`bpf_redirect_neigh` resolves the
-    /// next hop); XDP when the FIB names a complete route through a device
-    /// it can send to.
-    fn dsr_sendable<F: Family>(&self, cfg: &DpConfig, backend: &F::A) -> bool;
 
     /// Ingress: leaves `word` on the packet for the egress hook (see
     /// `dataplane_common::hint`); XDP has nowhere to leave it.
@@ -121,58 +114,6 @@ pub trait Ctx {
     /// kept) followed by `l3_frame`, and sends it back out of the device it
     /// came in on. `l3` is the L2 header's length.
     fn send_back<const N: usize>(&self, l3: usize, l3_frame: &[u8; N]) -> Option<Self::Verdict>;
-}
-
-/// Rewrites an SCTP skb's address (IPv4: and the IP header checksum) and
-/// port. SCTP's CRC32c has no pseudo-header: only a port change changes
-/// it, by a delta computed from the change alone (see
-/// `dataplane_common::sctp`); an skb with CRC offload pending recomputes
-/// the field anyway. (XDP's twin is inline in its `rewrite`.)
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn rewrite_sctp_tc<F: Family>(
-    ctx: &TcContext,
-    pkt: &Pkt<F::A>,
-    addr_off: usize,
-    port_off: usize,
-    old_addr: F::A,
-    addr: F::A,
-    old_port: u16,
-    port: u16,
-) -> Option<()> {
-    let sctp_len = (pkt.tot_len as usize).checked_sub(pkt.l4 - pkt.l3)? as u32;
-    // Through the load helper: offsets past variable-length headers.
-    let crc: u32 = TcContext::load(ctx, pkt.l4 + l4::SCTP_CHECK).ok()?;
-    if F::IP_CHECKSUM && old_addr != addr {
-        ctx.l3_csum_replace(pkt.l3 + ip::CHECK, 0, old_addr.csum_diff(&addr) as u64, 0)
-            .ok()?;
-    }
-    Ctx::store(ctx, pkt.l3 + addr_off, &addr)?;
-    if old_port != port {
-        // Stored little-endian: the CRC value as read on this little-endian
-        // target.
-        let delta = sctp_delta(sctp_len, port_off as u32, old_port, port);
-        // Not compensated within the one's-complement sums: a
-        // CHECKSUM_COMPLETE skb's sum is updated too.
-        let recompute = BPF_F_RECOMPUTE_CSUM as u64;
-        TcContext::store(
-            ctx,
-            pkt.l4 + l4::SCTP_CHECK,
-            &sctp::rewritten_crc(crc, delta),
-            recompute,
-        )
-        .ok()?;
-        TcContext::store(ctx, pkt.l4 + port_off, &port, recompute).ok()?;
-    }
-    Some(())
-}
-
-/// The CRC32c change of an SCTP port rewrite (see `dataplane_common::sctp`):
-/// a subprogram, so that the verifier walks its loops once and prunes the
-/// later calls, instead of once per path that inlines it.
-#[inline(never)]
-fn sctp_delta(len: u32, offset: u32, old: u16, new: u16) -> u32 {
-    sctp::crc32c_delta16(len, offset, old, new)
 }
 
 /// Pointer to a `T` at `offset`, if the whole `T` lies in the linear data.
@@ -216,70 +157,46 @@ impl Ctx for XdpContext {
     }
 
     #[inline(always)]
-    fn rewrite<F: Family>(&self, pkt: &Pkt<F::A>, side: Side, addr: F::A, port: u16) -> Option<()> {
-        let t = &pkt.tuple;
-        let (addr_off, port_off, old_addr, old_port) = match side {
-            Side::Src => (F::SADDR, l4::SPORT, t.saddr, t.sport),
-            Side::Dst => (F::DADDR, l4::DPORT, t.daddr, t.dport),
-        };
-        // Every pointer is checked before the first write, so the frame is
-        // either fully rewritten or untouched.
-        let ip_check = ptr_at::<_, u16>(self, pkt.l3 + ip::CHECK)?;
-        let addr_ptr = ptr_at::<_, F::A>(self, pkt.l3 + addr_off)?;
-        let l4h = ptr_at::<_, [u8; l4::UDP_HLEN]>(self, pkt.l4)? as usize;
-        if t.proto == proto::SCTP {
-            let crc_ptr = ptr_at::<_, u32>(self, pkt.l4 + l4::SCTP_CHECK)?;
-            let sctp_len = (pkt.tot_len as usize).checked_sub(pkt.l4 - pkt.l3)? as u32;
-            // SAFETY: all pointers are inside the frame (checked above).
-            unsafe {
-                if F::IP_CHECKSUM {
-                    unaligned::write(
-                        ip_check,
-                        csum::apply(unaligned::read(ip_check), old_addr.csum_diff(&addr)),
-                    );
-                }
-                unaligned::write(addr_ptr, addr);
-                if old_port != port {
-                    let delta = sctp_delta(sctp_len, port_off as u32, old_port, port);
-                    unaligned::write(crc_ptr, sctp::rewritten_crc(unaligned::read(crc_ptr), delta));
-                    unaligned::write((l4h + port_off) as *mut u16, port);
-                }
-            }
-            return Some(());
-        }
-        let l4_check = match t.proto {
-            proto::TCP => ptr_at::<_, u16>(self, pkt.l4 + l4::TCP_CHECK)?,
-            proto::UDP => (l4h + l4::UDP_CHECK) as *mut u16,
-            _ => return None,
-        };
-        let addr_diff = old_addr.csum_diff(&addr);
-        // SAFETY: all pointers are inside the frame (checked above); plain
-        // unaligned stores of header fields.
-        unsafe {
-            if F::IP_CHECKSUM {
-                unaligned::write(ip_check, csum::apply(unaligned::read(ip_check), addr_diff));
-            }
-            unaligned::write(addr_ptr, addr);
-            let old = unaligned::read(l4_check);
-            // A zero UDP checksum means "none" (IPv4): it stays zero.
-            if !(t.proto == proto::UDP && old == 0) {
-                let mut new = csum::apply(old, addr_diff + csum::diff16(old_port, port));
-                if t.proto == proto::UDP && new == 0 {
-                    new = 0xffff;
-                }
-                unaligned::write(l4_check, new);
-            }
-            unaligned::write((l4h + port_off) as *mut u16, port);
-        }
+    fn l3_csum_add(&self, offset: usize, diff: u32) -> Option<()> {
+        let p = ptr_at::<_, u16>(self, offset)?;
+        // SAFETY: bounds checked by ptr_at.
+        unsafe { unaligned::write(p, csum::apply(unaligned::read(p), diff)) };
         Some(())
     }
 
-    const XDP: bool = true;
+    #[inline(always)]
+    fn l4_csum_add(&self, offset: usize, pseudo: u32, l4: u32, udp: bool) -> Option<()> {
+        let p = ptr_at::<_, u16>(self, offset)?;
+        // SAFETY: bounds checked by ptr_at.
+        let old = unsafe { unaligned::read(p) };
+        if udp && old == 0 {
+            return Some(());
+        }
+        let mut new = csum::apply(old, pseudo + l4);
+        if udp && new == 0 {
+            new = 0xffff;
+        }
+        // SAFETY: as above.
+        unsafe { unaligned::write(p, new) };
+        Some(())
+    }
 
     #[inline(always)]
-    fn route(&self, cfg: &DpConfig) -> Option<u32> {
-        crate::route::xdp(self, cfg)
+    fn sctp_crc_set(&self, offset: usize, delta: u32) -> Option<()> {
+        let p = ptr_at::<_, u32>(self, offset)?;
+        // SAFETY: bounds checked by ptr_at; the CRC is stored little-endian,
+        // the value as read on this little-endian target.
+        unsafe { unaligned::write(p, sctp::rewritten_crc(unaligned::read(p), delta)) };
+        Some(())
     }
+
+    #[inline(always)]
+    fn store_unbalanced<T: Copy>(&self, offset: usize, value: &T) -> Option<()> {
+        // Frames carry no checksum state beside their headers.
+        Ctx::store(self, offset, value)
+    }
+
+    const XDP: bool = true;
 
     #[inline(always)]
     fn ingress_ifindex(&self) -> u32 {
@@ -329,11 +246,6 @@ impl Ctx for XdpContext {
             return None;
         }
         self.store(0, &eth)
-    }
-
-    #[inline(always)]
-    fn dsr_sendable<F: Family>(&self, cfg: &DpConfig, backend: &F::A) -> bool {
-        crate::dsr::reachable_xdp::<F>(self, cfg, backend)
     }
 
     #[inline(always)]
@@ -431,46 +343,40 @@ impl Ctx for TcContext {
     }
 
     #[inline(always)]
-    fn rewrite<F: Family>(&self, pkt: &Pkt<F::A>, side: Side, addr: F::A, port: u16) -> Option<()> {
-        let t = &pkt.tuple;
-        let (addr_off, port_off, old_addr, old_port) = match side {
-            Side::Src => (F::SADDR, l4::SPORT, t.saddr, t.sport),
-            Side::Dst => (F::DADDR, l4::DPORT, t.daddr, t.dport),
-        };
-        if t.proto == proto::SCTP {
-            return rewrite_sctp_tc::<F>(self, pkt, addr_off, port_off, old_addr, addr, old_port, port);
-        }
-        let l4_check = pkt.l4_check();
-        let mangled = if t.proto == proto::UDP {
-            BPF_F_MARK_MANGLED_0
-        } else {
-            0
-        } as u64;
-        if old_addr != addr {
-            // The helpers' "by difference" form (field size 0) takes a
-            // checksum delta, whatever the address's size.
-            let diff = old_addr.csum_diff(&addr) as u64;
-            self.l4_csum_replace(l4_check, 0, diff, BPF_F_PSEUDO_HDR as u64 | mangled)
-                .ok()?;
-            if F::IP_CHECKSUM {
-                self.l3_csum_replace(pkt.l3 + ip::CHECK, 0, diff, 0).ok()?;
-            }
-            TcContext::store(self, pkt.l3 + addr_off, &addr, 0).ok()?;
-        }
-        if old_port != port {
-            self.l4_csum_replace(l4_check, old_port as u64, port as u64, mangled | 2)
-                .ok()?;
-            TcContext::store(self, pkt.l4 + port_off, &port, 0).ok()?;
-        }
-        Some(())
+    fn l3_csum_add(&self, offset: usize, diff: u32) -> Option<()> {
+        // The helpers' "by difference" form (field size 0) takes a checksum
+        // delta, whatever the changed field's size.
+        self.l3_csum_replace(offset, 0, diff as u64, 0).ok()
+    }
+
+    #[inline(always)]
+    fn l4_csum_add(&self, offset: usize, pseudo: u32, l4: u32, udp: bool) -> Option<()> {
+        // The kernel knows whether the checksum is CHECKSUM_PARTIAL (a
+        // pseudo-header sum awaiting offload: only the pseudo-header's
+        // change touches it) or covered by a CHECKSUM_COMPLETE sum, which
+        // only the pseudo-header's change leaves uncompensated: two calls.
+        // MANGLED_0 keeps UDP's "no checksum" and its zero rule.
+        let mangled = if udp { BPF_F_MARK_MANGLED_0 as u64 } else { 0 };
+        self.l4_csum_replace(offset, 0, pseudo as u64, BPF_F_PSEUDO_HDR as u64 | mangled)
+            .ok()?;
+        self.l4_csum_replace(offset, 0, l4 as u64, mangled).ok()
+    }
+
+    #[inline(always)]
+    fn sctp_crc_set(&self, offset: usize, delta: u32) -> Option<()> {
+        // Through the load helper: offsets past variable-length headers.
+        let crc: u32 = TcContext::load(self, offset).ok()?;
+        self.store_unbalanced(offset, &sctp::rewritten_crc(crc, delta))
+    }
+
+    #[inline(always)]
+    fn store_unbalanced<T: Copy>(&self, offset: usize, value: &T) -> Option<()> {
+        // Not compensated within the one's-complement sums: a
+        // CHECKSUM_COMPLETE skb's sum is recomputed.
+        TcContext::store(self, offset, value, BPF_F_RECOMPUTE_CSUM as u64).ok()
     }
 
     const XDP: bool = false;
-
-    #[inline(always)]
-    fn route(&self, _cfg: &DpConfig) -> Option<i32> {
-        crate::route::tc(self)
-    }
 
     // `ifindex`, not `ingress_ifindex` (`skb_iif`): the same device at TC
     // ingress, and the one BPF_PROG_TEST_RUN lets a test set.
@@ -524,11 +430,6 @@ impl Ctx for TcContext {
     }
 
     #[inline(always)]
-    fn dsr_sendable<F: Family>(&self, _cfg: &DpConfig, _backend: &F::A) -> bool {
-        true
-    }
-
-    #[inline(always)]
     fn pop_outer(&self, len: u32, v6: bool) -> Option<()> {
         let decap = if v6 {
             BPF_F_ADJ_ROOM_DECAP_L3_IPV6
@@ -571,8 +472,7 @@ impl Ctx for TcContext {
     fn hint_trusted(&self) -> bool {
         // SAFETY: reads the context's `ingress_ifindex` (`skb_iif`).
         let iif = unsafe { (*self.skb.skb).ingress_ifindex };
-        hint::device_slot(iif)
-            .is_some_and(|(w, bit)| crate::maps::HINT_DEVICES.get(w).is_some_and(|v| *v & bit != 0))
+        hint::device_slot(iif).is_some_and(|(w, bit)| HINT_DEVICES.get(w).is_some_and(|v| *v & bit != 0))
     }
 
     #[inline(always)]

@@ -26,7 +26,6 @@ use aya_ebpf::{
         BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NO_NEIGH, BPF_FIB_LKUP_RET_SUCCESS, bpf_fib_lookup,
     },
     helpers::bpf_redirect_neigh,
-    programs::XdpContext,
 };
 use dataplane_common::{
     addr::{Addr, Ip6},
@@ -38,11 +37,12 @@ use dataplane_common::{
 
 use crate::{
     ct,
-    ctx::{Ctx, Side, load},
+    ctx::{Ctx, load},
     family::Family,
     flow::Choice,
+    hdr::{eth, ip, ip6, l4},
     maps::FORWARD,
-    parse::{eth, ip, ip6, l4},
+    nat::{self, Side},
     route::{self, fib_arg},
     stats,
 };
@@ -59,20 +59,6 @@ pub const UNROUTABLE: u64 = 1;
 pub const TOO_BIG_NO_DF: u64 = 2;
 /// Too big: answer with ICMP naming the MTU in the high half.
 pub const TOO_BIG: u64 = 3;
-
-/// Whether a packet to `backend` can be sent from here by the XDP program
-/// (a new DSR flow's first packet in XDP: a flow that cannot be is served
-/// masqueraded instead, through the stack, which resolves the neighbour
-/// meanwhile). TC sends through `bpf_redirect_neigh`, which resolves it
-/// itself.
-#[inline(never)]
-pub fn reachable_xdp<F: Family>(ctx: &XdpContext, cfg: &DpConfig, backend: &F::A) -> bool {
-    let mut slot;
-    let p = fib_arg!(slot);
-    route::fib_params::<_, F>(ctx, p, &F::snat_ip(cfg), backend, 0);
-    ctx.fib(p, 0) == BPF_FIB_LKUP_RET_SUCCESS as i64
-        && route::xdp_out_known(p.ifindex, Ctx::ingress_ifindex(ctx))
-}
 
 /// Sends a DSR flow's packet to the backend's node (the backend's address
 /// is in the `FORWARD` scratch): an outer header from this node's address
@@ -355,7 +341,7 @@ pub fn decap<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Event {
     let Ok(pkt) = F::parse(ctx, l3) else {
         return Event::Malformed;
     };
-    if ctx.rewrite::<F>(&pkt, Side::Dst, daddr, dport).is_none() {
+    if nat::rewrite::<C, F>(ctx, &pkt, Side::Dst, &daddr, dport).is_none() {
         return Event::Malformed;
     }
     if established && let Some(e) = ct::lookup::<F>(cfg, &t, now) {

@@ -16,12 +16,13 @@ use dataplane_common::{
 
 use crate::{
     ctx::Ctx,
+    hdr::Pkt,
     maps::{
         AFFINITY, AFFINITY6, BACKENDS, BACKENDS6, CT_PEEK4, CT_PEEK6, CT_SCRATCH4, CT_SCRATCH6, CT4,
         CT4_ASSURED, CT6, CT6_ASSURED, CtScratch, DSR4, DSR6, SERVICES, SERVICES6, SNAT4_CLOSED,
         SNAT6_CLOSED, SOURCE_RANGES, SOURCE_RANGES6,
     },
-    parse::{Parsed, Pkt, parse4, parse6},
+    parse::{Parsed, parse4, parse6},
 };
 
 pub trait Family: 'static {
@@ -77,9 +78,9 @@ pub struct V6;
 
 impl Family for V4 {
     type A = u32;
-    const SADDR: usize = crate::parse::ip::SADDR;
-    const DADDR: usize = crate::parse::ip::DADDR;
-    const PROTO: usize = crate::parse::ip::PROTO;
+    const SADDR: usize = crate::hdr::ip::SADDR;
+    const DADDR: usize = crate::hdr::ip::DADDR;
+    const PROTO: usize = crate::hdr::ip::PROTO;
     type Hdr = network_types::ip::Ipv4Hdr;
     const IP_CHECKSUM: bool = true;
     const ICMP: u8 = proto::ICMP;
@@ -157,9 +158,9 @@ impl Family for V4 {
 
 impl Family for V6 {
     type A = Ip6;
-    const SADDR: usize = crate::parse::ip6::SADDR;
-    const DADDR: usize = crate::parse::ip6::DADDR;
-    const PROTO: usize = crate::parse::ip6::NEXT_HDR;
+    const SADDR: usize = crate::hdr::ip6::SADDR;
+    const DADDR: usize = crate::hdr::ip6::DADDR;
+    const PROTO: usize = crate::hdr::ip6::NEXT_HDR;
     type Hdr = network_types::ip::Ipv6Hdr;
     const IP_CHECKSUM: bool = false;
     const ICMP: u8 = proto::ICMPV6;

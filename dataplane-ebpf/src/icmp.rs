@@ -14,8 +14,8 @@ use crate::{
     csum, ct,
     ctx::{Ctx, load},
     family::Family,
+    hdr::{ip, ip6, l4},
     maps::REJECT_SCRATCH,
-    parse::{ip, ip6, l4},
 };
 
 const ICMP_DEST_UNREACH: u8 = 3;

@@ -20,15 +20,18 @@ use dataplane_common::{
 
 use crate::{
     ct,
-    ctx::{Ctx, FromVerdict, Side, ptr_at},
+    ctx::{FromVerdict, ptr_at},
     dsr,
     family::{Family, V4, V6},
     filter,
     flow::{self, Action, Choice},
+    hdr::{Pkt, TCP_SYN},
     icmp,
     maps::{CONFIG, forward},
-    parse::{Kind, Parsed, Pkt, TCP_SYN, kind},
-    route, snat, stats, unaligned,
+    nat::{self, Side},
+    parse::{Kind, Parsed, kind},
+    route::{self, Forward},
+    snat, stats, unaligned,
 };
 
 #[inline(always)]
@@ -109,7 +112,7 @@ impl Step {
 /// backend, that only a reply's explicit entry can apply to it
 /// (`Hint::ExplicitOnly`). 0 where no word reaches egress (XDP).
 #[inline(always)]
-fn untranslated_hint<C: Ctx, A: Addr>(cfg: &DpConfig, saddr: &A, daddr: &A) -> u16 {
+fn untranslated_hint<C: Forward, A: Addr>(cfg: &DpConfig, saddr: &A, daddr: &A) -> u16 {
     if !C::HINTS {
         return 0;
     }
@@ -124,7 +127,7 @@ fn untranslated_hint<C: Ctx, A: Addr>(cfg: &DpConfig, saddr: &A, daddr: &A) -> u
 /// The word for a forward packet translated for a flow kept unmasqueraded:
 /// egress has nothing to do (no SNAT; a reply it is not).
 #[inline(always)]
-fn dnat_only_hint<C: Ctx, A: Addr>(saddr: &A, daddr: &A) -> u16 {
+fn dnat_only_hint<C: Forward, A: Addr>(saddr: &A, daddr: &A) -> u16 {
     if !C::HINTS {
         return 0;
     }
@@ -134,7 +137,7 @@ fn dnat_only_hint<C: Ctx, A: Addr>(saddr: &A, daddr: &A) -> u16 {
 /// Runs the rest of a step from the entry point, counts the outcome and
 /// returns the verdict.
 #[inline(always)]
-fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool) -> C::Verdict {
+fn finish<C: Forward>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool) -> C::Verdict {
     let len = ctx.packet_len() as u64;
     // External devices: where DSR flows start and end.
     let external = hook != Hook::TcPodIngress;
@@ -254,7 +257,7 @@ fn finish<C: Ctx>(ctx: &C, cfg: &DpConfig, hook: Hook, step: Step, ingress: bool
 /// handed to the entry point, and at ingress encapsulated packets (DSR's),
 /// protocols we do not translate pass.
 #[inline(always)]
-fn triage<C: Ctx, F: Family>(pkt: &Pkt<F::A>, ingress: bool) -> Option<Step> {
+fn triage<C: Forward, F: Family>(pkt: &Pkt<F::A>, ingress: bool) -> Option<Step> {
     match pkt.tuple.proto {
         proto::TCP | proto::UDP | proto::SCTP => None,
         p if p == F::ICMP => Some(Step::next(ICMP_ERROR, pkt, Event::Pass)),
@@ -265,7 +268,7 @@ fn triage<C: Ctx, F: Family>(pkt: &Pkt<F::A>, ingress: bool) -> Option<Step> {
 
 /// The verdict of a frame that is not an IP packet we parse.
 #[inline(always)]
-fn unparsed<C: Ctx>(p: Parsed) -> Step {
+fn unparsed<C: Forward>(p: Parsed) -> Step {
     match p {
         Parsed::Fragment => Step::done(C::PASS, Event::Fragment),
         Parsed::Malformed => Step::done(C::PASS, Event::Malformed),
@@ -275,7 +278,7 @@ fn unparsed<C: Ctx>(p: Parsed) -> Step {
 
 /// Ingress: destination rewrites, rejects and drops. Returns the verdict.
 #[inline(always)]
-pub fn ingress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
+pub fn ingress<C: Forward>(ctx: &C, hook: Hook) -> C::Verdict {
     match config() {
         Some(cfg) => finish(ctx, cfg, hook, ingress_inner(ctx, cfg), true),
         None => unconfigured(ctx, hook),
@@ -284,7 +287,7 @@ pub fn ingress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
 
 /// Before the agent configured the datapath every packet passes, counted.
 #[inline(always)]
-fn unconfigured<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
+fn unconfigured<C: Forward>(ctx: &C, hook: Hook) -> C::Verdict {
     stats::count(hook, Event::Pass, ctx.packet_len() as u64);
     C::PASS
 }
@@ -292,7 +295,7 @@ fn unconfigured<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
 /// Dispatches on the family: each family's path is a subprogram of its
 /// own, so that their stacks do not add up (nor to the entry point's).
 #[inline(always)]
-fn ingress_inner<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
+fn ingress_inner<C: Forward>(ctx: &C, cfg: &DpConfig) -> Step {
     let step = ingress_parsed(ctx, cfg);
     // Headers beyond the linear area (TC): pulled, and parsed again, only
     // when the parse ran short.
@@ -303,7 +306,7 @@ fn ingress_inner<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
 }
 
 #[inline(always)]
-fn ingress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
+fn ingress_parsed<C: Forward>(ctx: &C, cfg: &DpConfig) -> Step {
     match kind(ctx) {
         Kind::V4(l3) => ingress_prefilter::<C, V4>(ctx, cfg, l3),
         Kind::V6(l3) => ingress_prefilter::<C, V6>(ctx, cfg, l3),
@@ -321,7 +324,7 @@ fn ingress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
 /// branch where the kernel returns through a thunk (AMD's SRSO "safe RET",
 /// retbleed), which was the largest part of a passed packet's time.
 #[inline(always)]
-fn ingress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+fn ingress_prefilter<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
     if let Some((saddr, daddr)) = fixed_addrs::<C, F>(ctx, l3)
         // Not a frontend, not a SNAT address, not in a service CIDR.
         && !filter::maybe(cfg, FRONTENDS, &daddr)
@@ -335,7 +338,7 @@ fn ingress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> S
 
 /// A packet the pre-filter let through.
 #[inline(never)]
-fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+fn ingress_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
     // Before anything rewrites the packet; past the pre-filter, which
     // passes packets that are certainly not translated.
     crate::monitor::start(ctx);
@@ -388,7 +391,7 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
                 return Step::next(ENCAP, pkt, Event::Established);
             }
             ct_flags::FWD_IN | ct_flags::REP_IN => {
-                if ctx.rewrite::<F>(pkt, Side::Dst, daddr, dport).is_none() {
+                if nat::rewrite::<C, F>(ctx, pkt, Side::Dst, &daddr, dport).is_none() {
                     return Step::done(C::PASS, Event::Malformed);
                 }
                 if C::XDP && cfg.flags & config_flags::HOST_ROUTING != 0 {
@@ -430,7 +433,7 @@ fn ingress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step
 /// tuple through the stack of the lookup path). `external`: it came in
 /// through an external device (where DSR flows start).
 #[inline(always)]
-fn new_flow<C: Ctx>(ctx: &C, cfg: &DpConfig, v6: bool, l3: usize, external: bool) -> Step {
+fn new_flow<C: Forward>(ctx: &C, cfg: &DpConfig, v6: bool, l3: usize, external: bool) -> Step {
     if v6 {
         new_flow_family::<C, V6>(ctx, cfg, l3, external)
     } else {
@@ -439,7 +442,7 @@ fn new_flow<C: Ctx>(ctx: &C, cfg: &DpConfig, v6: bool, l3: usize, external: bool
 }
 
 #[inline(never)]
-fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, external: bool) -> Step {
+fn new_flow_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, external: bool) -> Step {
     let pkt = &match F::parse(ctx, l3) {
         Ok(p) => p,
         Err(other) => return unparsed::<C>(other),
@@ -476,7 +479,7 @@ fn new_flow_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, extern
     match flow::action(event) {
         // DNAT to the backend chosen.
         Action::Forward => {
-            match ctx.rewrite::<F>(pkt, Side::Dst, choice.backend.address, choice.backend.port) {
+            match nat::rewrite::<C, F>(ctx, pkt, Side::Dst, &choice.backend.address, choice.backend.port) {
                 Some(()) => {
                     stats::count_service(choice.service_id, pkt.tot_len as u64);
                     let (what, src) = if choice.snat {
@@ -513,7 +516,12 @@ fn count_midstream<A: Addr>(pkt: &Pkt<A>, event: Event) {
 /// A new DSR flow: its entry (the only one on this node), then the packet
 /// goes to the backend's node (`dsr::encap`, from the entry point).
 #[inline(always)]
-fn dsr_new_flow<C: Ctx, F: Family>(cfg: &DpConfig, pkt: &Pkt<F::A>, choice: &Choice<F::A>, now: u64) -> Step {
+fn dsr_new_flow<C: Forward, F: Family>(
+    cfg: &DpConfig,
+    pkt: &Pkt<F::A>,
+    choice: &Choice<F::A>,
+    now: u64,
+) -> Step {
     let event = ct::create_dsr::<F>(&pkt.tuple, choice, now);
     if event != Event::NewFlow {
         return Step::done(C::DROP, event);
@@ -527,7 +535,7 @@ fn dsr_new_flow<C: Ctx, F: Family>(cfg: &DpConfig, pkt: &Pkt<F::A>, choice: &Cho
 
 /// Egress: source rewrites. Returns the verdict.
 #[inline(always)]
-pub fn egress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
+pub fn egress<C: Forward>(ctx: &C, hook: Hook) -> C::Verdict {
     match config() {
         Some(cfg) => finish(ctx, cfg, hook, egress_inner(ctx, cfg), false),
         None => unconfigured(ctx, hook),
@@ -535,7 +543,7 @@ pub fn egress<C: Ctx>(ctx: &C, hook: Hook) -> C::Verdict {
 }
 
 #[inline(always)]
-fn egress_inner<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
+fn egress_inner<C: Forward>(ctx: &C, cfg: &DpConfig) -> Step {
     let step = egress_parsed(ctx, cfg);
     if step.event() == Event::Malformed as u32 && ctx.pull_headers() {
         return egress_parsed(ctx, cfg);
@@ -544,7 +552,7 @@ fn egress_inner<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
 }
 
 #[inline(always)]
-fn egress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
+fn egress_parsed<C: Forward>(ctx: &C, cfg: &DpConfig) -> Step {
     match kind(ctx) {
         Kind::V4(l3) => egress_prefilter::<C, V4>(ctx, cfg, l3),
         Kind::V6(l3) => egress_prefilter::<C, V6>(ctx, cfg, l3),
@@ -558,7 +566,7 @@ fn egress_parsed<C: Ctx>(ctx: &C, cfg: &DpConfig) -> Step {
 /// one failed check over to a longer one); `None` for any other packet.
 /// Not a closure: LLVM outlined one (a subprogram again) in the TC programs.
 #[inline(always)]
-fn fixed_addrs<C: Ctx, F: Family>(ctx: &C, l3: usize) -> Option<(F::A, F::A)> {
+fn fixed_addrs<C: Forward, F: Family>(ctx: &C, l3: usize) -> Option<(F::A, F::A)> {
     let h = ptr_at::<C, F::Hdr>(ctx, l3)? as *const u8;
     // SAFETY: offsets within the fixed header, whose bounds were checked.
     let (p, saddr, daddr) = unsafe {
@@ -576,7 +584,7 @@ fn fixed_addrs<C: Ctx, F: Family>(ctx: &C, l3: usize) -> Option<(F::A, F::A)> {
 /// left (see `dataplane_common::hint`): nothing to do, or only the explicit
 /// entries to look at.
 #[inline(always)]
-fn egress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
+fn egress_prefilter<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Step {
     let word = ctx.take_hint();
     let mut explicit_only = false;
     if let Some((saddr, daddr)) = fixed_addrs::<C, F>(ctx, l3) {
@@ -597,7 +605,7 @@ fn egress_prefilter<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> St
 /// `explicit_only`: ingress did not translate the packet (see
 /// `Hint::ExplicitOnly`), so the hashed `REP_IN` entries cannot apply.
 #[inline(never)]
-fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit_only: bool) -> Step {
+fn egress_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit_only: bool) -> Step {
     // As at ingress.
     crate::monitor::start(ctx);
     let pkt = &match F::parse(ctx, l3) {
@@ -631,7 +639,7 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit
             cfg.snat_port_min,
             cfg.snat_port_max,
         );
-        return match ctx.rewrite::<F>(pkt, Side::Src, F::snat_ip(cfg), port.to_be()) {
+        return match nat::rewrite::<C, F>(ctx, pkt, Side::Src, &F::snat_ip(cfg), port.to_be()) {
             Some(()) => Step::done(C::PASS, Event::Established),
             None => Step::done(C::PASS, Event::Malformed),
         };
@@ -642,7 +650,7 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit
     {
         // SAFETY: a map value pointer, valid for this run; fields copied.
         let (saddr, sport) = unsafe { ((*e).nat_saddr, (*e).nat_sport) };
-        return match ctx.rewrite::<F>(pkt, Side::Src, saddr, sport) {
+        return match nat::rewrite::<C, F>(ctx, pkt, Side::Src, &saddr, sport) {
             Some(()) => Step::done(C::PASS, Event::Reply),
             None => Step::done(C::PASS, Event::Malformed),
         };
@@ -662,7 +670,7 @@ fn egress_family<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, explicit
     if role != ct_flags::REP_OUT && role != ct_flags::FWD_OUT {
         return Step::done(C::PASS, Event::Pass);
     }
-    if ctx.rewrite::<F>(pkt, Side::Src, saddr, sport).is_none() {
+    if nat::rewrite::<C, F>(ctx, pkt, Side::Src, &saddr, sport).is_none() {
         return Step::done(C::PASS, Event::Malformed);
     }
     if role == ct_flags::FWD_OUT {

@@ -47,10 +47,12 @@ use dataplane_common::{
 
 use crate::{
     csum, ct,
-    ctx::{Ctx, Side, load},
+    ctx::{Ctx, load},
     family::{Family, V4, V6},
+    hdr::{eth, ip, ip6},
     maps::{FORWARD, XDP_DEVICES, forward},
-    parse::{Kind, eth, ip, ip6, kind},
+    nat::{self, Side},
+    parse::{Kind, kind},
     stats,
 };
 
@@ -58,6 +60,42 @@ pub const AF_INET: u8 = 2;
 pub const AF_INET6: u8 = 10;
 /// "Not sent by us": let the stack have the packet.
 const STACK: i64 = -1;
+
+/// Sending a translated packet on without the stack, per program type.
+pub trait Forward: Ctx {
+    /// Host routing: sends a translated packet straight to its route's
+    /// device; `None` leaves it to the stack.
+    fn route(&self, cfg: &DpConfig) -> Option<Self::Verdict>;
+    /// Whether a new DSR flow's packets can be sent to `backend`'s node
+    /// from this hook: TC always can (`bpf_redirect_neigh` resolves the
+    /// next hop); XDP when the FIB names a complete route through a device
+    /// it can send to.
+    fn dsr_sendable<F: Family>(&self, cfg: &DpConfig, backend: &F::A) -> bool;
+}
+
+impl Forward for XdpContext {
+    #[inline(always)]
+    fn route(&self, cfg: &DpConfig) -> Option<u32> {
+        xdp(self, cfg)
+    }
+
+    #[inline(always)]
+    fn dsr_sendable<F: Family>(&self, cfg: &DpConfig, backend: &F::A) -> bool {
+        reachable_xdp::<F>(self, cfg, backend)
+    }
+}
+
+impl Forward for TcContext {
+    #[inline(always)]
+    fn route(&self, _cfg: &DpConfig) -> Option<i32> {
+        tc(self)
+    }
+
+    #[inline(always)]
+    fn dsr_sendable<F: Family>(&self, _cfg: &DpConfig, _backend: &F::A) -> bool {
+        true
+    }
+}
 
 /// Fills the FIB lookup's addresses, family and ingress device for a
 /// packet of family `F` from `src` to `dst`, `tot_len` bytes long (0: no
@@ -280,7 +318,7 @@ fn forward_family<F: Family>(ctx: &XdpContext, cfg: &DpConfig) -> i64 {
     // Every pointer is checked before a byte is written: a rewrite either
     // happens whole or not at all, and then the stack gets the frame.
     if (what == forward::SRC || what == forward::SNAT)
-        && ctx.rewrite::<F>(&pkt, Side::Src, src, sport).is_none()
+        && nat::rewrite::<_, F>(ctx, &pkt, Side::Src, &src, sport).is_none()
     {
         return fallback(FlowStat::FwdOther);
     }
@@ -299,6 +337,19 @@ fn forward_family<F: Family>(ctx: &XdpContext, cfg: &DpConfig) -> i64 {
     let _ = ctx.store(eth::SRC, &p.smac);
     stats::count_flow(FlowStat::XdpForwarded);
     verdict as i64
+}
+
+/// Whether a packet to `backend` can be sent from here by the XDP program
+/// (a new DSR flow's first packet in XDP: a flow that cannot be is served
+/// masqueraded instead, through the stack, which resolves the neighbour
+/// meanwhile). TC sends through `bpf_redirect_neigh`, which resolves it
+/// itself.
+#[inline(never)]
+fn reachable_xdp<F: Family>(ctx: &XdpContext, cfg: &DpConfig, backend: &F::A) -> bool {
+    let mut slot;
+    let p = fib_arg!(slot);
+    fib_params::<_, F>(ctx, p, &F::snat_ip(cfg), backend, 0);
+    ctx.fib(p, 0) == BPF_FIB_LKUP_RET_SUCCESS as i64 && xdp_out_known(p.ifindex, Ctx::ingress_ifindex(ctx))
 }
 
 /// Whether the masqueraded flow `t` (client → backend, DNATed) still owns
