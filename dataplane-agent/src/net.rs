@@ -1,6 +1,7 @@
 //! Small address types the agent needs (no dependency for them).
 
 use std::{
+    collections::BTreeSet,
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     str::FromStr,
@@ -312,6 +313,93 @@ impl fmt::Display for Protocol {
     }
 }
 
+/// kube-proxy's nodePortAddresses: the node addresses NodePorts are served
+/// on.
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub enum NodePortAddresses {
+    /// Every local address of the node except loopback and IPv6 link-local
+    /// ones, both families (kube-proxy's iptables-mode default): pods'
+    /// gateway and bridge addresses too.
+    All,
+    /// The node's primary IP of each family: the first `--node-ip` of that
+    /// family (kube-proxy's `primary`, its nftables-mode default).
+    #[default]
+    Primary,
+    /// Local addresses inside these prefixes (either family). As with
+    /// kube-proxy, a family none of the prefixes belongs to takes all its
+    /// addresses (`0.0.0.0/0` alone selects what `all` does).
+    Cidrs(Vec<IpCidr>),
+}
+
+impl std::str::FromStr for NodePortAddresses {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "all" => Ok(Self::All),
+            "primary" | "" => Ok(Self::Primary),
+            list => list
+                .split(',')
+                .map(|c| c.trim().parse::<IpCidr>().map_err(|e| e.to_string()))
+                .collect::<Result<_, _>>()
+                .map(Self::Cidrs),
+        }
+    }
+}
+
+impl std::fmt::Display for NodePortAddresses {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::All => f.write_str("all"),
+            Self::Primary => f.write_str("primary"),
+            Self::Cidrs(cidrs) => {
+                let list: Vec<String> = cidrs.iter().map(ToString::to_string).collect();
+                f.write_str(&list.join(","))
+            }
+        }
+    }
+}
+
+impl NodePortAddresses {
+    /// The addresses NodePorts are served on, given the node's IPs
+    /// (`--node-ip`) and the addresses its interfaces hold. Loopback and
+    /// IPv6 link-local addresses never serve NodePorts. `all` with no
+    /// usable local address (they could not be read) falls back to the node
+    /// IPs rather than to nothing.
+    pub fn select(&self, node_ips: &[IpAddr], local: &[IpAddr]) -> BTreeSet<IpAddr> {
+        let usable = || {
+            local
+                .iter()
+                .copied()
+                .filter(|a| !a.is_loopback() && !matches!(a, IpAddr::V6(v6) if v6.is_unicast_link_local()))
+        };
+        match self {
+            Self::All => {
+                let all: BTreeSet<IpAddr> = usable().collect();
+                if all.is_empty() {
+                    node_ips.iter().copied().collect()
+                } else {
+                    all
+                }
+            }
+            // kube-proxy takes the primary IP of each family, not a
+            // loopback one; it need not be found among the interfaces'
+            // addresses (a failed address dump must not take NodePorts away).
+            Self::Primary => IpFamily::BOTH
+                .into_iter()
+                .filter_map(|f| node_ips.iter().find(|ip| IpFamily::of(ip) == f))
+                .filter(|ip| !ip.is_loopback())
+                .copied()
+                .collect(),
+            Self::Cidrs(cidrs) => usable()
+                .filter(|a| {
+                    let mut own = cidrs.iter().filter(|c| c.family() == IpFamily::of(a)).peekable();
+                    own.peek().is_none() || own.any(|c| c.contains(*a))
+                })
+                .collect(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -344,5 +432,89 @@ mod tests {
                 .unwrap()
                 .contains(Ipv4Addr::new(8, 8, 8, 8))
         );
+    }
+
+    fn ips(list: &[&str]) -> Vec<IpAddr> {
+        list.iter().map(|s| s.parse().unwrap()).collect()
+    }
+
+    /// A dual-stack node: two node IPs of each family given, and its
+    /// interfaces' addresses: the LAN's, a second LAN address, a pod
+    /// gateway on a veth, a bridge's, loopback and IPv6 link-local.
+    const NODE_IPS: [&str; 4] = ["198.18.0.11", "198.18.0.99", "2001:db8::11", "2001:db8::99"];
+    const LOCAL: [&str; 9] = [
+        "127.0.0.1",
+        "198.18.0.11",
+        "198.18.0.99",
+        "10.244.1.1",
+        "10.88.0.1",
+        "::1",
+        "fe80::1",
+        "2001:db8::11",
+        "fd00:10:244:1::1",
+    ];
+
+    fn select(choice: &str) -> Vec<IpAddr> {
+        let choice: NodePortAddresses = choice.parse().unwrap();
+        choice.select(&ips(&NODE_IPS), &ips(&LOCAL)).into_iter().collect()
+    }
+
+    #[test]
+    fn node_port_addresses_default_to_the_primary_ip_of_each_family() {
+        assert_eq!(NodePortAddresses::default(), NodePortAddresses::Primary);
+        assert_eq!("".parse::<NodePortAddresses>(), Ok(NodePortAddresses::Primary));
+        // The first node IP of each family; no pod gateway, no bridge, no
+        // second address.
+        assert_eq!(select("primary"), ips(&["198.18.0.11", "2001:db8::11"]));
+        // A single-stack node: its one family.
+        let v4 = NodePortAddresses::Primary.select(&ips(&["198.18.0.11"]), &ips(&LOCAL));
+        assert_eq!(v4.into_iter().collect::<Vec<_>>(), ips(&["198.18.0.11"]));
+        // The IPv6 node IP comes first: still one of each family.
+        let v6_first = NodePortAddresses::Primary.select(&ips(&["2001:db8::11", "198.18.0.11"]), &[]);
+        assert_eq!(
+            v6_first.into_iter().collect::<Vec<_>>(),
+            ips(&["198.18.0.11", "2001:db8::11"])
+        );
+    }
+
+    #[test]
+    fn node_port_addresses_all_is_every_address_but_loopback_and_link_local() {
+        let every = ips(&[
+            "10.88.0.1",
+            "10.244.1.1",
+            "198.18.0.11",
+            "198.18.0.99",
+            "2001:db8::11",
+            "fd00:10:244:1::1",
+        ]);
+        assert_eq!(select("all"), every);
+        // kube-proxy's spelling of the same: the zero CIDR (a family
+        // without a CIDR of its own takes all its addresses).
+        assert_eq!(select("0.0.0.0/0"), every);
+        assert_eq!(select("0.0.0.0/0,::/0"), every);
+        // Nothing readable: the node IPs rather than no NodePort at all.
+        let none = NodePortAddresses::All.select(&ips(&["198.18.0.11"]), &ips(&["127.0.0.1"]));
+        assert_eq!(none.into_iter().collect::<Vec<_>>(), ips(&["198.18.0.11"]));
+        assert_eq!(NodePortAddresses::All.to_string(), "all");
+    }
+
+    #[test]
+    fn node_port_addresses_cidrs_select_local_addresses_per_family() {
+        // IPv4 only the LAN's; IPv6 has no CIDR: all of its (kube-proxy).
+        assert_eq!(
+            select("198.18.0.0/24"),
+            ips(&["198.18.0.11", "198.18.0.99", "2001:db8::11", "fd00:10:244:1::1"])
+        );
+        assert_eq!(
+            select("198.18.0.11/32, 2001:db8::/64"),
+            ips(&["198.18.0.11", "2001:db8::11"])
+        );
+        // A CIDR that holds no local address selects none of its family;
+        // loopback stays out even when a CIDR covers it.
+        assert_eq!(select("192.0.2.0/24,2001:db8::/64"), ips(&["2001:db8::11"]));
+        assert_eq!(select("127.0.0.0/8,::1/128"), Vec::<IpAddr>::new());
+        let cidrs: NodePortAddresses = "198.18.0.0/24,2001:db8::/64".parse().unwrap();
+        assert_eq!(cidrs.to_string(), "198.18.0.0/24,2001:db8::/64");
+        assert!("198.18.0.0/33".parse::<NodePortAddresses>().is_err());
     }
 }

@@ -36,10 +36,8 @@ use crate::os::interfaces;
 use tracing::{info, warn};
 
 use super::{
-    config::NodePortAddresses,
-    feed::{Feed, ManifestUpdate},
-    kube_source::Change,
     metrics::Metrics,
+    source::{Event, Feed},
     sync::{SyncKind, SyncReport, Syncer, node_context},
 };
 use crate::{
@@ -48,22 +46,11 @@ use crate::{
         service_cidrs::{self, MAX_SERVICE_CIDRS},
         store::Store,
     },
+    net::NodePortAddresses,
     net::{IpCidr, IpFamily},
     state::model::NodeContext,
 };
 use dataplane_common::names;
-
-/// What wakes the loop.
-pub enum Event {
-    /// A change from the Kubernetes API.
-    Kube(Change),
-    /// Manifest files changed (parsed on the watcher's thread).
-    Manifests(ManifestUpdate),
-    /// A network interface, address or route changed.
-    Links,
-    /// SIGTERM or SIGINT.
-    Stop,
-}
 
 /// The loop's clocks.
 #[derive(Clone, Debug)]

@@ -8,11 +8,8 @@ use std::{
     time::{Duration, SystemTime},
 };
 
-use super::{
-    http::{Handler, Limits, Response, Server, ServerRuntime},
-    pod_interfaces::UnreachableEndpoint,
-};
-use crate::k8s::store::HealthCheck;
+use super::http::{Handler, Limits, Response, Server, ServerRuntime};
+use crate::{k8s::store::HealthCheck, os::pod_discovery::UnreachableEndpoint};
 
 /// What the health answers are computed from.
 #[derive(Debug, Default)]

@@ -15,14 +15,13 @@ use tracing::{info, warn};
 
 use super::{
     config::{CgroupOrigin, RunConfig, Source},
-    control::{ControlLoop, Event, Hooks, Timing},
+    control::{ControlLoop, Hooks, Timing},
     counters::DatapathCounters,
-    feed::{Feed, ManifestFeed},
     health::{self, HealthState, ServiceHealthServers},
     http,
-    kube_source::KubeSource,
     metrics::{self, Metrics},
     pod_interfaces::{self, ExternalDevice, PodInterfaces},
+    source::{Event, Feed, files::ManifestFeed, kube::KubeSource},
     sync::{SyncReport, Syncer},
 };
 use crate::{

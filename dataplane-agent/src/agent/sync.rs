@@ -494,10 +494,10 @@ impl Syncer {
 
 /// The node's view for the desired table: NodePort addresses from
 /// nodePortAddresses, among the local addresses (both families; see
-/// [`NodePortAddresses::select`](super::config::NodePortAddresses::select)).
+/// [`NodePortAddresses::select`](crate::net::NodePortAddresses::select)).
 pub fn node_context(
     node_ips: &[IpAddr],
-    choice: &super::config::NodePortAddresses,
+    choice: &crate::net::NodePortAddresses,
     local: &[(String, IpAddr)],
 ) -> NodeContext {
     let local: Vec<IpAddr> = local.iter().map(|(_, a)| *a).collect();

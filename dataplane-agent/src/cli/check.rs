@@ -7,8 +7,9 @@ use std::path::PathBuf;
 use anyhow::Context as _;
 
 use crate::{
-    agent::config::{ConfigFile, NodePortAddresses},
+    agent::config::ConfigFile,
     dataplane::XdpMode,
+    net::NodePortAddresses,
     preflight::{self, Options, Severity},
 };
 

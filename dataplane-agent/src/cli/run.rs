@@ -3,10 +3,10 @@ use std::{net::IpAddr, path::PathBuf, time::Duration};
 use crate::{
     agent::{
         self,
-        config::{ConfigFile, NodePortAddresses, RunConfig, Source},
+        config::{ConfigFile, RunConfig, Source},
     },
     dataplane::XdpMode,
-    net::IpCidr,
+    net::{IpCidr, NodePortAddresses},
 };
 use anyhow::{Context as _, bail};
 use dataplane_common::limits;

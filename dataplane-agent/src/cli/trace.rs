@@ -20,15 +20,13 @@ use dataplane_common::{
 use serde_json::json;
 
 use crate::{
-    agent::{
-        config::NodePortAddresses,
-        sync::{Syncer, node_context},
-    },
+    agent::sync::{Syncer, node_context},
     dataplane::{
         AbiAddr, DatapathConfig, FamilyMaps, LbMaps, LoadOptions,
         trace_cache::{self, Origin, TraceCacheError, TraceDatapath},
     },
     k8s::{manifests, store::Store},
+    net::NodePortAddresses,
     net::{IpCidr, Protocol},
     state::table::MapTable,
 };

@@ -14,9 +14,9 @@ use dataplane_common::{
 };
 
 use super::{
-    DatapathError,
+    DatapathError, err,
     family::{AbiAddr, abi},
-    maps::{err, removed},
+    removed,
 };
 use crate::state::{
     derived::{Derived, DerivedOp, DsrEntry, TableSet},

@@ -287,3 +287,11 @@ pub fn expired<A: Addr>(
 ) -> bool {
     now_ns.saturating_sub(e.last_seen_ns) > e.timeout_s(k.proto, timeouts) as u64 * 1_000_000_000
 }
+
+/// The bit an address takes in the filter (see `dataplane_common::filter`).
+pub(super) fn fold(ip: IpAddr) -> u32 {
+    match ip {
+        IpAddr::V4(_) => abi::<u32>(ip).fold(),
+        IpAddr::V6(_) => abi::<Ip6>(ip).fold(),
+    }
+}

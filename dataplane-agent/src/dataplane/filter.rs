@@ -135,7 +135,7 @@ impl AddressFilter {
             _ => {
                 debug_assert_eq!(
                     Some(addr),
-                    address_of(holder).map(super::maps::fold),
+                    address_of(holder).map(super::family::fold),
                     "{holder:?} holds its own address"
                 );
                 let new = match packed(holder) {
@@ -180,7 +180,8 @@ impl AddressFilter {
                     Some(k) => self.by_v4_address.contains(&k),
                     None => self.by_address.contains(&holder),
                 };
-                held.then(|| address_of(holder).map(super::maps::fold)).flatten()
+                held.then(|| address_of(holder).map(super::family::fold))
+                    .flatten()
             }
         }
     }
@@ -201,7 +202,8 @@ impl AddressFilter {
                     Some(k) => self.by_v4_address.remove(&k),
                     None => self.by_address.remove(&holder),
                 };
-                held.then(|| address_of(holder).map(super::maps::fold)).flatten()
+                held.then(|| address_of(holder).map(super::family::fold))
+                    .flatten()
             }
         };
         if let Some(addr) = old {

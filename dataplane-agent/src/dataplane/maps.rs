@@ -5,7 +5,7 @@
 
 use std::{net::IpAddr, os::fd::AsFd as _};
 
-use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, IterableMap, MapData, PerCpuArray};
 use dataplane_common::{
     addr::{Addr, Ip6},
     config::{DpConfig, config_flags},
@@ -17,8 +17,8 @@ use dataplane_common::{
 };
 
 use super::{
-    DatapathConfig, DatapathError, batch,
-    family::{AbiAddr, FamilyMaps},
+    DatapathConfig, DatapathError, batch, err,
+    family::{AbiAddr, FamilyMaps, fold},
     filter::{AddressFilter, Holder},
 };
 use crate::net::IpFamily;
@@ -59,27 +59,6 @@ pub struct LbMaps {
     pub(super) max_services: u32,
     /// Backend ids are `1..` this (one id space for both families).
     pub(super) max_backends: u32,
-}
-
-pub(super) fn err(name: &'static str) -> impl Fn(MapError) -> DatapathError {
-    move |source| DatapathError::Map { name, source }
-}
-
-/// A missing key is not an error when deleting.
-pub(super) fn removed(r: Result<(), MapError>, name: &'static str) -> Result<(), DatapathError> {
-    match r {
-        Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
-        Err(MapError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(err(name)(e)),
-    }
-}
-
-/// The bit an address takes in the filter (see `dataplane_common::filter`).
-pub(super) fn fold(ip: IpAddr) -> u32 {
-    match ip {
-        IpAddr::V4(_) => super::family::abi::<u32>(ip).fold(),
-        IpAddr::V6(_) => super::family::abi::<Ip6>(ip).fold(),
-    }
 }
 
 impl LbMaps {

@@ -11,7 +11,6 @@ pub mod batch;
 pub mod clock;
 mod config;
 pub mod derived;
-pub mod device;
 pub mod family;
 mod filter;
 mod maps;
@@ -34,12 +33,27 @@ use aya::{
 pub use clock::Clock;
 pub use config::{DatapathConfig, current_netns_cookie};
 use dataplane_common::{limits, names};
+
+use crate::os::device;
 pub use family::{AbiAddr, FamilyMaps};
 pub use maps::{LbMaps, RETIRE_GRACE};
 pub use pins::{PinDir, PinDirError, PinLock, Resize};
 
 /// The kernel object built by build.rs (`dataplane-ebpf`, release, with BTF).
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/dataplane"));
+
+fn err(name: &'static str) -> impl Fn(MapError) -> DatapathError {
+    move |source| DatapathError::Map { name, source }
+}
+
+/// A missing key is not an error when deleting.
+fn removed(r: Result<(), MapError>, name: &'static str) -> Result<(), DatapathError> {
+    match r {
+        Ok(()) | Err(MapError::KeyNotFound) => Ok(()),
+        Err(MapError::SyscallError(e)) if e.io_error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(err(name)(e)),
+    }
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum DatapathError {

@@ -23,10 +23,11 @@ use dataplane_common::{
 };
 
 use super::{
-    DatapathError, batch,
+    DatapathError, batch, err,
     family::{AbiAddr, FamilyMaps, abi},
     filter::{AddressFilter, Holder},
-    maps::{LbMaps, RETIRE_GRACE, err, removed},
+    maps::{LbMaps, RETIRE_GRACE},
+    removed,
 };
 use crate::{
     net::{IpCidr, IpFamily, Protocol},
@@ -212,7 +213,7 @@ impl Shared<'_> {
     fn hold_frontend(&mut self, fe: &Frontend) {
         self.filter.hold(
             Holder::Frontend(fe.addr, fe.port.to_be(), fe.proto.number()),
-            super::maps::fold(fe.addr),
+            super::family::fold(fe.addr),
         );
     }
 
@@ -223,12 +224,12 @@ impl Shared<'_> {
 
     fn hold_service_address(&mut self, addr: IpAddr) {
         self.filter
-            .hold(Holder::ServiceAddress(addr), super::maps::fold(addr));
+            .hold(Holder::ServiceAddress(addr), super::family::fold(addr));
     }
 
     fn hold_backend(&mut self, id: BackendId, addr: IpAddr) {
         self.filter
-            .hold(Holder::Backend(id.get()), super::maps::fold(addr));
+            .hold(Holder::Backend(id.get()), super::family::fold(addr));
     }
 
     /// A removed backend's established flows keep going and their packets

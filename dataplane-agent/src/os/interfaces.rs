@@ -118,7 +118,7 @@ pub struct Route {
 /// The index of the device named `name` (or one of its altnames) in this
 /// network namespace; `None` when there is none.
 pub fn index_of(name: &str) -> Option<u32> {
-    crate::dataplane::device::ifindex(name)
+    super::device::ifindex(name)
 }
 
 /// Every link of this network namespace.

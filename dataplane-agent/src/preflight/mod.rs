@@ -29,9 +29,13 @@ use std::{
 use serde::Serialize;
 
 use crate::{
-    agent::{config::NodePortAddresses, pod_interfaces::Why},
-    dataplane::{self, Datapath, DeviceKind, XdpMode, device, pins},
-    os::interfaces::{self, Address, Link},
+    dataplane::{self, Datapath, DeviceKind, XdpMode, pins},
+    net::NodePortAddresses,
+    os::{
+        device,
+        interfaces::{self, Address, Link},
+        pod_discovery::{self, Why},
+    },
 };
 
 #[derive(Debug, thiserror::Error)]
@@ -431,7 +435,7 @@ fn cgroup(path: Option<PathBuf>) -> Vec<Finding> {
 /// discovered ones the patterns miss (`run` would attach nothing to them, so
 /// their pods' Services break) are a warning naming each.
 fn pod_interfaces(opts: &Options) -> Finding {
-    use crate::agent::pod_interfaces::{Why, by_pattern, discover};
+    use crate::os::pod_discovery::{Why, by_pattern, discover};
     let (Ok(links), Ok(addresses), Ok(routes)) =
         (interfaces::links(), interfaces::addresses(), interfaces::routes())
     else {
@@ -557,13 +561,9 @@ fn node_ports(opts: &Options) -> Finding {
         );
     };
     let external = external_devices(opts, &links);
-    let mut pods = crate::agent::pod_interfaces::discover(&links, &addresses, &routes, &external);
+    let mut pods = pod_discovery::discover(&links, &addresses, &routes, &external);
     if !opts.pod_interfaces.is_empty() {
-        pods.extend(crate::agent::pod_interfaces::by_pattern(
-            &links,
-            &opts.pod_interfaces,
-            &external,
-        ));
+        pods.extend(pod_discovery::by_pattern(&links, &opts.pod_interfaces, &external));
     }
     let local: Vec<IpAddr> = interfaces::ip_addresses().into_iter().map(|(_, a)| a).collect();
     let selected = choice.select(&opts.node_ips, &local);
@@ -857,7 +857,7 @@ fn devices(opts: &Options) -> Vec<Finding> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::agent::pod_interfaces::{discover, tests::link};
+    use crate::os::pod_discovery::{discover, tests::link};
 
     fn addr(link: u32, a: &str, prefix_len: u8) -> Address {
         Address {

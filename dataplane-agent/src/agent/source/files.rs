@@ -1,9 +1,7 @@
-//! Where the store's objects come from, event by event: the Kubernetes API
-//! (watch events from [`KubeSource`]) or manifest files (inotify names the
-//! file that was written, renamed into place or removed; only that file is
-//! looked at, with [`ManifestSource`]'s rules: a file renamed into place is
-//! applied at once, one written in place once it has been stable for
-//! [`manifests::SETTLE`]).
+//! The manifest files source: inotify names the file that was written,
+//! renamed into place or removed; only that file is looked at, with
+//! [`ManifestSource`]'s rules: a file renamed into place is applied at once,
+//! one written in place once it has been stable for [`manifests::SETTLE`].
 //!
 //! Manifest files are read and parsed on their watcher's thread, never on
 //! the control loop's: the watcher owns the [`ManifestSource`], looks at the
@@ -27,14 +25,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use k8s_openapi::api::core::v1::{Node, ObjectReference};
+use k8s_openapi::api::core::v1::Node;
 use tracing::{info, warn};
 
-use super::metrics::SharedMetrics;
-use super::{
-    control::Event,
-    kube_source::{Change, KubeSource, WarningEvent},
-};
+use super::Event;
+use crate::agent::metrics::SharedMetrics;
 use crate::k8s::{
     manifests::{self, Look, ManifestSource, Objects, Problem},
     model::{ServiceInfo, SliceInfo, proxied},
@@ -142,48 +137,6 @@ enum FileChange {
     Rescan,
 }
 
-pub enum Feed {
-    Kube(KubeSource),
-    Manifests(Box<ManifestFeed>),
-}
-
-impl Feed {
-    /// Applies one event to the store.
-    pub fn handle(&mut self, event: Event, store: &mut Store, node_name: &str) {
-        match (self, event) {
-            (Feed::Kube(_), Event::Kube(change)) => KubeSource::apply(change, store, node_name),
-            (Feed::Manifests(m), Event::Manifests(update)) => m.apply_update(store, update),
-            _ => {}
-        }
-    }
-
-    /// A periodic look at the source for what events may have missed (the
-    /// manifests watcher rescans every file; its result comes as an event).
-    pub fn resync(&self) {
-        if let Feed::Manifests(m) = self {
-            m.request_rescan();
-        }
-    }
-
-    /// A Warning event on a Service (API source only; logs cover the rest).
-    pub fn warn(&self, store: &Store, object: &str, reason: &str, note: &str) {
-        let Feed::Kube(source) = self else { return };
-        let (ns, name) = object.split_once('/').unwrap_or(("default", object));
-        source.warn(WarningEvent {
-            reference: ObjectReference {
-                api_version: Some("v1".into()),
-                kind: Some("Service".into()),
-                namespace: Some(ns.into()),
-                name: Some(name.into()),
-                uid: store.service_uid(ns, name),
-                ..Default::default()
-            },
-            reason: reason.into(),
-            note: note.into(),
-        });
-    }
-}
-
 impl ManifestFeed {
     /// Watches `paths` (files or directories of `.yaml`/`.yml`/`.json`
     /// files) on a thread of its own, which reads and parses them and sends
@@ -222,7 +175,7 @@ impl ManifestFeed {
     }
 
     /// Asks the watcher to look at every file.
-    fn request_rescan(&self) {
+    pub(super) fn request_rescan(&self) {
         // Adds 1 to the eventfd's counter (it cannot overflow in practice;
         // a full counter already asks for a rescan).
         let _ = (&self.rescan).write(&1u64.to_ne_bytes());
@@ -613,15 +566,5 @@ impl Drop for Inotify {
     fn drop(&mut self) {
         // SAFETY: our own fd.
         unsafe { libc::close(self.fd) };
-    }
-}
-
-/// The object keys a change names, for logs.
-pub fn describe(change: &Change) -> &'static str {
-    match change {
-        Change::Services(_) => "services",
-        Change::Slices(_) => "endpointslices",
-        Change::Node(_) => "node",
-        Change::ServiceCidrs(_) => "servicecidrs",
     }
 }

@@ -24,7 +24,7 @@ use kube::{
 };
 use tracing::{info, warn};
 
-use super::control::Event;
+use super::Event;
 use crate::k8s::{
     model::{ServiceInfo, SliceInfo, proxied},
     service_cidrs::ServiceCidrInfo,
