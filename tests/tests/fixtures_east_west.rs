@@ -1,6 +1,8 @@
 //! BPF_PROG_TEST_RUN fixtures for the east-west programs (`tc_pod_ingress`,
 //! `tc_egress`) and for affinity shared across a Service port's addresses.
-//! Output checksums are verified by the test's own implementation.
+//! Output checksums are verified by the test's own implementation. Pods
+//! reaching the ingress fixtures' Services run for both families
+//! (`<test>::ipv4`, `<test>::ipv6`).
 
 use std::{
     net::{Ipv4Addr, SocketAddr, SocketAddrV4},
@@ -11,7 +13,9 @@ use aya::programs::{SchedClassifier, Xdp};
 use dataplane_agent::{dataplane::Datapath, net::Protocol};
 use dataplane_common::names;
 use dataplane_tests::{
+    for_both_families,
     packet::{Frame, ICMP, TCP_ACK, TCP_SYN, parse_and_verify},
+    plan::{self, Plan},
     services::{TestEndpoint, TestService},
     testrun::{fixture_datapath, run},
 };
@@ -175,4 +179,63 @@ fn session_affinity_is_shared_across_a_service_ports_addresses() {
             "pod connection {i} to {dst}"
         );
     }
+}
+
+for_both_families! {
+    fn pods_reach_the_ingress_fixtures_services => pods_reach_services;
+}
+
+/// Pods reach the ingress fixtures' Services ([`dataplane_tests::plan`],
+/// IPv4 and IPv6) through `tc_pod_ingress`: ClusterIP without SNAT,
+/// hairpin (the backend is the pod itself) masqueraded to the node, an
+/// eTP=Local external destination short-circuited to the cluster set.
+fn pods_reach_services(p: &Plan) {
+    let dp = plan::datapath(p);
+    let pod = |name: &'static str, input: &[u8]| {
+        let (v, out, _) = run(dp.tc(name).unwrap(), input, 1);
+        (v, parse_and_verify(&out))
+    };
+    let other_pod = p.sa(p.other_local_pod, 42000);
+    let (v, o) = pod(
+        names::TC_POD_INGRESS,
+        &Frame::tcp(other_pod, p.sa(p.cluster_ip, 80), TCP_SYN).build(),
+    );
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(o.dst_addr(), p.sa(p.remote_pod, 8080));
+    assert_eq!(o.src_addr(), other_pod, "pod → ClusterIP: the pod's address kept");
+
+    // Hairpin: the only backend is the pod itself.
+    let me = p.sa(p.local_pod, 42001);
+    let (v, o) = pod(
+        names::TC_POD_INGRESS,
+        &Frame::tcp(me, p.sa(p.service_ip(10), 80), TCP_SYN).build(),
+    );
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(o.dst_addr(), p.sa(p.local_pod, 8080));
+    let (v, out, _) = run(
+        dp.tc(names::TC_EGRESS).unwrap(),
+        &Frame::tcp(me, p.sa(p.local_pod, 8080), TCP_SYN).build(),
+        1,
+    );
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(
+        parse_and_verify(&out).src,
+        p.node,
+        "hairpin: masqueraded to the node"
+    );
+
+    // eTP=Local external destination from a pod: the cluster set, no SNAT.
+    // (Another client port: from 42000 the backend would see the live
+    // ClusterIP flow's tuple again, a clash.)
+    let other_pod2 = p.sa(p.other_local_pod, 42002);
+    let (v, o) = pod(
+        names::TC_POD_INGRESS,
+        &Frame::tcp(other_pod2, p.sa(p.node, 30082), TCP_SYN).build(),
+    );
+    assert_eq!(v, TC_ACT_OK);
+    assert_eq!(
+        o.dst_addr(),
+        p.sa(p.remote_pod, 8080),
+        "short-circuit to the cluster set"
+    );
 }
