@@ -103,3 +103,100 @@ pub(crate) fn json(r: &Results) -> String {
     results.push_str("}\n");
     results
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(median: f64) -> Stat {
+        Stat {
+            median,
+            min: median - 1.0,
+            max: median + 1.0,
+        }
+    }
+
+    fn row(services: u32) -> crate::datapath::Row {
+        crate::datapath::Row {
+            services,
+            program_s: 0.5,
+            floor_repeat: s(20.0),
+            floor_single: s(100.0),
+            non_service: s(25.0),
+            established: s(60.0),
+            new_flow: s(300.0),
+            new_flow_median: s(250.0),
+            new_flow_stalled: 0.01,
+            tc_floor: s(40.0),
+            tc_floor_single: s(150.0),
+            ew_established: s(90.0),
+            ew_new_flow: s(400.0),
+            ew_new_flow_median: s(350.0),
+            ew_new_flow_stalled: 0.0,
+        }
+    }
+
+    /// The per-packet sections (what `--only datapath` measures).
+    fn datapath_only() -> Results {
+        Results {
+            machine: "2 × a CPU, Linux 6.x".into(),
+            rows: vec![row(1), row(1_000)],
+            small_ct: row(1),
+            protocols: vec![crate::protocols::ProtoRow {
+                name: "TCP, IPv4",
+                established_repeat: s(30.0),
+                repeat_ratio: s(1.0),
+                established: s(45.0),
+                new_flow: s(1400.0),
+            }],
+            exhaustion: crate::exhaustion::Row {
+                rounds: 5,
+                ordinary_mean: s(300.0),
+                ordinary_median: s(250.0),
+                full_mean: s(900.0),
+                full_median: s(800.0),
+                ratio: s(3.2),
+                full_flows: 1000,
+                exhausted_drops: 10,
+                ports_busy: 33_000,
+                backoff: 5,
+                fill_flows: 31_744,
+                ports: 31_744,
+                ordinary_drops: 0,
+            },
+            rest: None,
+        }
+    }
+
+    #[test]
+    fn the_markdown_has_its_sections_and_note_slots_in_order() {
+        let md = markdown(&datapath_only());
+        let at = |what: &str| md.find(what).unwrap_or_else(|| panic!("no {what:?} in\n{md}"));
+        assert!(md.starts_with("# Benchmarks\n"));
+        assert!(at("<!-- notes: about-this-run -->") < at("## Datapath per packet"));
+        assert!(at("## Datapath per packet") < at("<!-- notes: per-packet -->"));
+        assert!(at("<!-- notes: per-packet -->") < at("## East-west per packet"));
+        assert!(at("## East-west per packet") < at("## Per packet by protocol"));
+        // Cells: median (min–max).
+        assert!(md.contains("| 1000 | 20 (19–21) |"), "{md}");
+        // Notes of an earlier file are kept at their slots.
+        let old = md.replace(
+            "<!-- notes: per-packet -->\n",
+            "<!-- notes: per-packet -->\nA hand-written note.\n",
+        );
+        let kept = notes::keep(&old, &md).expect("notes kept");
+        assert_eq!(kept.kept, vec!["per-packet".to_owned()]);
+        assert!(kept.md.contains("A hand-written note."));
+    }
+
+    #[test]
+    fn the_json_is_one_object_with_every_section() {
+        let json = json(&datapath_only());
+        let v: serde_json::Value = serde_json::from_str(&json).unwrap_or_else(|e| panic!("{e}: {json}"));
+        assert_eq!(v["machine"], "2 × a CPU, Linux 6.x");
+        assert_eq!(v["datapath"][1]["services"], 1000);
+        assert_eq!(v["datapath"][0]["established_ns"]["median"], 60.0);
+        assert!(v.get("snat_exhaustion").is_some(), "{json}");
+        assert_eq!(v.as_object().unwrap().len(), 4, "{json}");
+    }
+}
