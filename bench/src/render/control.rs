@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::control::*;
+use crate::control::{AgentRow, CHANGES, EPS, IDLE, InProcess, ROUNDS, SPACING};
 
 fn ms(s: f64) -> String {
     if s < 0.01 {

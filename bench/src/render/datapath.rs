@@ -4,7 +4,14 @@
 use std::fmt::Write as _;
 
 use super::cell;
-use crate::{datapath::*, notes, stat::Stat};
+use crate::{
+    datapath::{
+        CONNECTS_PER_ROUND, CT_ENTRIES, ConnectRow, NEW_FLOWS_PER_ROUND, NON_SERVICE_DESTINATIONS, REPEAT,
+        ROUNDS, Row, SMALL_CT_ENTRIES, STALL_NS,
+    },
+    notes,
+    stat::Stat,
+};
 
 pub(crate) fn render(machine: &str, rows: &[Row], small_ct: &Row) -> String {
     let mut md = String::new();

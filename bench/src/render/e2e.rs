@@ -1,11 +1,12 @@
 //! Markdown and JSON of the end-to-end rows (wrk and nginx, against kube-
 //! proxy's rule sets), the sustained runs and the programs' own clocked cost.
 
-use std::fmt::Write as _;
+use std::{fmt::Write as _, time::Duration};
 
-use std::time::Duration;
-
-use crate::{e2e::*, stat::Stat};
+use crate::{
+    e2e::{CONNECTIONS, Cost, Mode, Row, Variant},
+    stat::Stat,
+};
 
 pub(crate) fn render_costs(md: &mut String, costs: &[Cost]) {
     if costs.iter().all(|c| c.programs.is_empty()) {

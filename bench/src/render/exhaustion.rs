@@ -3,7 +3,7 @@
 use std::fmt::Write as _;
 
 use super::cell;
-use crate::{datapath::NEW_FLOWS_PER_ROUND, exhaustion::*};
+use crate::{datapath::NEW_FLOWS_PER_ROUND, exhaustion::Row};
 
 pub(crate) fn render(md: &mut String, r: &Row) {
     let per = |n: u64| n as f64 / r.full_flows.max(1) as f64;

@@ -5,7 +5,10 @@ use std::fmt::Write as _;
 
 use dataplane_common::stats::FlowStat;
 
-use crate::{forwarding::*, stat::Stat};
+use crate::{
+    forwarding::{ConnRow, ConnVariant, Row, SERVICES, Variant},
+    stat::Stat,
+};
 
 pub(crate) fn render(md: &mut String, rows: &[Row], rounds: usize) {
     let floor = rows

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 
-use crate::kube_proxy::*;
+use crate::kube_proxy::ControlRow;
 
 pub(crate) fn render(md: &mut String, control: &[ControlRow]) {
     let _ = writeln!(md, "\n## Control plane and memory (10 endpoints per Service)\n");

@@ -2,7 +2,10 @@
 
 use std::fmt::Write as _;
 
-use crate::{probes::*, stat::Stat};
+use crate::{
+    probes::{INTERVAL, ProbeRow, SLOW_CLIENTS},
+    stat::Stat,
+};
 
 pub(crate) fn render(md: &mut String, rows: &[ProbeRow], rounds: usize) {
     let _ = writeln!(md, "\n## Health-check probes under slow clients\n");

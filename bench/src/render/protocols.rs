@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use super::cell;
 use crate::{
     datapath::{NEW_FLOWS_PER_ROUND, REPEAT, ROUNDS},
-    protocols::*,
+    protocols::{ProtoRow, REPEAT_ROUNDS},
     stat::Stat,
 };
 
