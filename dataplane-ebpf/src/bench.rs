@@ -1,4 +1,4 @@
-//! Programs of the forwarding benchmark (`tests/src/bin/bench/forwarding.rs`),
+//! Programs of the forwarding benchmark (`bench/src/forwarding.rs`),
 //! in this object so that the benchmark needs no other toolchain; never
 //! attached by the agent, and loaded (verified) only by the benchmark.
 

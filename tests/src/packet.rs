@@ -225,7 +225,8 @@ impl Ext {
         }
     }
 
-    fn bytes(&self, next: u8) -> Vec<u8> {
+    /// The header's bytes, `next` its next header.
+    pub fn bytes(&self, next: u8) -> Vec<u8> {
         match *self {
             Ext::Options { units, .. } => {
                 let len = 8 * (usize::from(units) + 1);
@@ -490,4 +491,56 @@ pub fn sctp_crc_ok(l4: &[u8]) -> Option<bool> {
     let mut zeroed = l4.to_vec();
     zeroed[8..12].fill(0);
     Some(stored == 0 || crc32c::crc32c(&zeroed) == stored)
+}
+
+/// A frame's ethertype and where its L3 header starts, after at most two
+/// VLAN tags (802.1Q or 802.1ad, as many as the datapath takes; behind a
+/// third, the tag's type is returned). `None` when the frame is shorter
+/// than an Ethernet header or a tag is cut short. Never panics: for frames
+/// that may be malformed (the fuzzer's).
+pub fn ethertype(frame: &[u8]) -> Option<(u16, usize)> {
+    if frame.len() < 14 {
+        return None;
+    }
+    let be16 = |at: usize| u16::from_be_bytes([frame[at], frame[at + 1]]);
+    let (mut ethertype, mut l3) = (be16(12), 14);
+    for _ in 0..2 {
+        if !(ethertype == 0x8100 || ethertype == 0x88a8) {
+            break;
+        }
+        if frame.len() < l3 + 4 {
+            return None;
+        }
+        ethertype = be16(l3 + 2);
+        l3 += 4;
+    }
+    Some((ethertype, l3))
+}
+
+/// `frame` (as [`Frame::build`] makes it, without VLAN tags) with its IP
+/// packet encapsulated from `from` to `to`, its Ethernet header kept: IPIP
+/// (IPv4: DF set, TTL 64) or IPv6-in-IPv6 (hop limit 64), as DSR sends a
+/// packet to a backend's node.
+pub fn encapsulate(frame: &[u8], from: IpAddr, to: IpAddr) -> Vec<u8> {
+    let payload = &frame[14..];
+    let outer = match (from, to) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            let mut ip = vec![0x45, 0, 0, 0, 0, 0, 0x40, 0, 64, 4, 0, 0];
+            ip[2..4].copy_from_slice(&((20 + payload.len()) as u16).to_be_bytes());
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            let c = internet_checksum(&[&ip]);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            ip
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            let mut ip = vec![0x60, 0, 0, 0, 0, 0, 41, 64];
+            ip[4..6].copy_from_slice(&(payload.len() as u16).to_be_bytes());
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            ip
+        }
+        _ => panic!("an encapsulation from {from} to {to} mixes families"),
+    };
+    [&frame[..14], &outer[..], payload].concat()
 }

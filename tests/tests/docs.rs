@@ -108,6 +108,35 @@ fn the_agent_readme_names_every_module() {
     );
 }
 
+#[test]
+fn the_bench_readme_names_every_module() {
+    let readme = read("bench/README.md");
+    let named = backticked(&readme);
+    let src = root().join("bench/src");
+    let mut all = BTreeSet::new();
+    let mut missing = Vec::new();
+    for top in declared(&src.join("main.rs")) {
+        let dir = src.join(&top);
+        let subs = if dir.is_dir() {
+            declared(&dir.join("mod.rs"))
+        } else {
+            Vec::new()
+        };
+        for m in std::iter::once(top.clone()).chain(subs) {
+            if !named.contains(&m) {
+                missing.push(m.clone());
+            }
+            all.insert(m);
+        }
+    }
+    assert!(missing.is_empty(), "bench/README.md does not name {missing:?}");
+    let gone: Vec<&String> = named.iter().filter(|w| !all.contains(*w)).collect();
+    assert!(
+        gone.is_empty(),
+        "bench/README.md names modules that do not exist: {gone:?}"
+    );
+}
+
 /// Map names as the docs write them: `DP_…_V1`, `LB4_…_V1`, `CT6_V1`, ….
 fn map_names(text: &str) -> BTreeSet<String> {
     text.split(|c: char| !(c.is_ascii_uppercase() || c.is_ascii_digit() || c == '_'))

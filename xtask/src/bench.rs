@@ -1,6 +1,7 @@
-//! `cargo xtask bench`: runs the benchmark binary (tests/src/bin/bench.rs) in
-//! release mode; it writes docs/benchmarks.md and docs/bench-results.json.
-//! The agent binary is built beside it: the control-plane section runs agents.
+//! `cargo xtask bench`: runs the benchmark binary (the `dataplane-bench`
+//! crate, bench/) in release mode; it writes docs/benchmarks.md and
+//! docs/bench-results.json. The agent binary (the test crate's) is built
+//! beside it: the control-plane section runs agents.
 use crate::cmd;
 
 pub fn run(args: &[String]) -> anyhow::Result<()> {
@@ -18,7 +19,7 @@ pub fn run(args: &[String]) -> anyhow::Result<()> {
                 "run",
                 "--release",
                 "--package",
-                "dataplane-tests",
+                "dataplane-bench",
                 "--bin",
                 "bench",
                 "--",

@@ -47,7 +47,7 @@ use dataplane_tests::{
     unique_prefix,
 };
 
-use super::{Stat, stat};
+use crate::stat::{Stat, stat};
 
 const CLIENT: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 100);
 const NODE: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 11);
@@ -56,7 +56,7 @@ const BACKEND_NODE: Ipv4Addr = Ipv4Addr::new(198, 18, 1, 12);
 const POD: Ipv4Addr = Ipv4Addr::new(10, 244, 2, 10);
 const POD_PORT: u16 = 8080;
 const FIRST_NODE_PORT: u16 = 30_000;
-const SERVICES: u16 = 64;
+pub(crate) const SERVICES: u16 = 64;
 const G0_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0f, 0x01];
 const N0A_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0f, 0x02];
 const N0B_MAC: [u8; 6] = [0x02, 0, 0, 0, 0x0f, 0x03];
@@ -92,7 +92,7 @@ impl Variant {
         Variant::OursTc,
     ];
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Variant::Floor => "XDP redirect n0a → n0b, no other work (the floor)",
             Variant::Kernel => "kernel forwarding to the pod address, no NAT",
@@ -339,10 +339,10 @@ fn once(v: Variant, bench: &mut Ebpf, packets: u32) -> (f64, f64, u64, Vec<(Flow
             // As a NIC: GRO on, so the veth takes the generator's frames.
             s.node.ethtool_features("n0a", &["gro", "on"]);
             if v == Variant::Nftables {
-                super::kube_proxy::run_stdin(s.node.name(), "nft", &["-f", "-"], &nft_nodeports());
+                crate::kube_proxy::run_stdin(s.node.name(), "nft", &["-f", "-"], &nft_nodeports());
             }
             if v == Variant::IptablesLegacy {
-                super::kube_proxy::run_stdin(
+                crate::kube_proxy::run_stdin(
                     s.node.name(),
                     "iptables-legacy-restore",
                     &[],
@@ -421,11 +421,11 @@ fn once(v: Variant, bench: &mut Ebpf, packets: u32) -> (f64, f64, u64, Vec<(Flow
     // than the rate.
     const CLOCKED: [&str; 4] = ["xdp_ingress", "tc_ingress", "tc_egress", "xdp_bench_redir"];
     let clock = aya::sys::enable_stats(aya::sys::Stats::RunTime).ok();
-    let times = super::e2e::programs_named(&CLOCKED);
+    let times = crate::e2e::programs_named(&CLOCKED);
     let started = Instant::now();
     run(packets);
     let elapsed = started.elapsed();
-    let programs = super::e2e::program_deltas(&times, super::e2e::programs_named(&CLOCKED));
+    let programs = crate::e2e::program_deltas(&times, crate::e2e::programs_named(&CLOCKED));
     drop(clock);
     let delivered = s.delivered() - before;
     // ns per forwarded frame of the node's programs (all hooks that ran).
@@ -497,104 +497,6 @@ pub fn measure(rounds: usize, packets: u32, only: Option<&str>) -> Vec<Row> {
         .collect()
 }
 
-pub fn render(md: &mut String, rows: &[Row], rounds: usize) {
-    let floor = rows
-        .iter()
-        .find(|r| r.variant == Variant::Floor)
-        .map(|r| r.pps.median);
-    let nft = rows
-        .iter()
-        .find(|r| r.variant == Variant::Nftables)
-        .map(|r| r.pps.median);
-    let _ = writeln!(
-        md,
-        "\n## Packets per second to a backend on another node\n\n\
-         UDP to {SERVICES} NodePorts whose endpoint runs behind a second node (eTP=Cluster: masqueraded, or by DSR), \
-         64-byte frames from our live-frame generator on the client's veth (`xdp_bench_gen`, BPF_PROG_TEST_RUN with \
-         `BPF_F_TEST_XDP_LIVE_FRAMES`: the sending CPU runs the whole receive path inline), counted where they \
-         arrive on the backend node's device by an XDP drop program; a fresh set of namespaces per measurement, \
-         variants interleaved, {rounds} rounds, median (min–max) of frames per second delivered. The node's \
-         receiving veth runs our XDP or has GRO on, as a NIC would (a veth takes redirected frames only then).\n"
-    );
-    let _ = writeln!(
-        md,
-        "| path | Mpps | vs floor | vs nftables | programs' ns/frame | our drops | forwarding counters |"
-    );
-    let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|---|");
-    for r in rows {
-        let ratio = |b: Option<f64>| b.map_or("–".to_owned(), |b| format!("{:.2}x", r.pps.median / b));
-        let flows: Vec<String> = r
-            .flows
-            .iter()
-            .filter(|(k, _)| {
-                matches!(
-                    k,
-                    FlowStat::XdpForwarded
-                        | FlowStat::HostRouted
-                        | FlowStat::DsrEncapsulated
-                        | FlowStat::FwdNoNeighbour
-                        | FlowStat::FwdDevice
-                        | FlowStat::FwdOther
-                )
-            })
-            .map(|(k, n)| format!("{} {n}", k.name()))
-            .collect();
-        let program_ns = if matches!(
-            r.variant,
-            Variant::Kernel | Variant::Nftables | Variant::IptablesLegacy
-        ) {
-            "–".to_owned()
-        } else {
-            format!("{:.0}", r.program_ns.median)
-        };
-        let _ = writeln!(
-            md,
-            "| {} | {:.2} ({:.2}–{:.2}) | {} | {} | {program_ns} | {} | {} |",
-            r.variant.name(),
-            r.pps.median / 1e6,
-            r.pps.min / 1e6,
-            r.pps.max / 1e6,
-            ratio(floor),
-            ratio(nft),
-            if matches!(
-                r.variant,
-                Variant::Floor | Variant::Kernel | Variant::Nftables | Variant::IptablesLegacy
-            ) {
-                "–".to_owned()
-            } else {
-                r.drops.to_string()
-            },
-            flows.join(", ")
-        );
-    }
-}
-
-pub fn json(rows: &[Row], conns: &[ConnRow]) -> String {
-    let items: Vec<String> = rows
-        .iter()
-        .map(|r| {
-            format!(
-                "{{\"variant\": \"{:?}\", \"pps\": {:.0}, \"min\": {:.0}, \"max\": {:.0}, \"drops\": {}}}",
-                r.variant, r.pps.median, r.pps.min, r.pps.max, r.drops
-            )
-        })
-        .collect();
-    let conns: Vec<String> = conns
-        .iter()
-        .map(|r| {
-            format!(
-                "{{\"variant\": \"{:?}\", \"rate\": {:.0}, \"min\": {:.0}, \"max\": {:.0}}}",
-                r.variant, r.rate.median, r.rate.min, r.rate.max
-            )
-        })
-        .collect();
-    format!(
-        ",\n\"forwarding\": [{}],\n\"remote_connections\": [{}]",
-        items.join(", "),
-        conns.join(", ")
-    )
-}
-
 /// New connections per second through a node to a backend on another node,
 /// SNAT against DSR, with the direct path (client → pod, routed by the
 /// backend's node) as the baseline.
@@ -608,7 +510,7 @@ pub enum ConnVariant {
 impl ConnVariant {
     const ALL: [ConnVariant; 3] = [ConnVariant::Direct, ConnVariant::Snat, ConnVariant::Dsr];
 
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             ConnVariant::Direct => "direct to the pod (via its node)",
             ConnVariant::Snat => "ours: NodePort on node1, backend on node2, SNAT (TC)",
@@ -634,7 +536,7 @@ fn connections_once(v: ConnVariant, duration: std::time::Duration) -> (f64, u64,
     let pod = cluster.pod("b");
     let pod_addr = SocketAddrV4::new(pod.ip, POD_PORT);
     pod.ns.sysctl("net/ipv4/tcp_max_tw_buckets", "0");
-    let server = super::e2e::Nginx::start(pod.ns.name(), &[pod_addr], 1);
+    let server = crate::e2e::Nginx::start(pod.ns.name(), &[pod_addr], 1);
     let mut nodes: Vec<_> = (0..2)
         .map(|i| {
             cluster.start_datapath_with(
@@ -670,10 +572,10 @@ fn connections_once(v: ConnVariant, duration: std::time::Duration) -> (f64, u64,
     };
     let from = cluster.client.ns.name().to_owned();
     let pid = server.child.id();
-    let mode = super::e2e::Mode::Close;
-    let _ = super::e2e::wrk(&from, dst, mode, std::time::Duration::from_secs(1), pid);
+    let mode = crate::e2e::Mode::Close;
+    let _ = crate::e2e::wrk(&from, dst, mode, std::time::Duration::from_secs(1), pid);
     let before: u64 = nodes.iter().map(|n| drops(&n.datapath)).sum();
-    let s = super::e2e::wrk(&from, dst, mode, duration, pid);
+    let s = crate::e2e::wrk(&from, dst, mode, duration, pid);
     let after: u64 = nodes.iter().map(|n| drops(&n.datapath)).sum();
     (s.requests_per_s, s.errors, after - before)
 }
@@ -703,46 +605,6 @@ pub fn connections(rounds: usize, duration: std::time::Duration) -> Vec<ConnRow>
         .collect()
 }
 
-pub fn render_connections(md: &mut String, rows: &[ConnRow], rounds: usize, duration: std::time::Duration) {
-    let snat = rows
-        .iter()
-        .find(|r| r.variant == ConnVariant::Snat)
-        .map(|r| r.rate.median);
-    let direct = rows
-        .iter()
-        .find(|r| r.variant == ConnVariant::Direct)
-        .map(|r| r.rate.median);
-    let _ = writeln!(
-        md,
-        "\n### New connections per second to a backend on another node, SNAT against DSR\n\n\
-         `wrk -t1 -c16` with `Connection: close` from the client (CPU 0) to a NodePort on node1 whose backend \
-         (nginx, CPU 1) runs on node2, {}s per run, {rounds} rounds, a fresh sandbox per run; our datapath on both \
-         nodes in TC (veth); `tcp_max_tw_buckets=0` in the pod. In DSR the SYN-ACKs and responses go from node2 \
-         straight to the client.\n",
-        duration.as_secs()
-    );
-    let _ = writeln!(
-        md,
-        "| path | connections/s | vs SNAT | vs direct | errors | our drops |"
-    );
-    let _ = writeln!(md, "|---|---:|---:|---:|---:|---:|");
-    for r in rows {
-        let ratio = |b: Option<f64>| b.map_or("–".to_owned(), |b| format!("{:.2}x", r.rate.median / b));
-        let _ = writeln!(
-            md,
-            "| {} | {:.0} ({:.0}–{:.0}) | {} | {} | {} | {} |",
-            r.variant.name(),
-            r.rate.median,
-            r.rate.min,
-            r.rate.max,
-            ratio(snat),
-            ratio(direct),
-            r.errors,
-            r.drops
-        );
-    }
-}
-
 /// Maglev table builds (the agent's, `state::maglev::build`): median ms per
 /// build of a table for `backends` backends, per table size.
 pub fn maglev_builds(rounds: usize) -> Vec<(usize, u32, Stat)> {
@@ -768,22 +630,4 @@ pub fn maglev_builds(rounds: usize) -> Vec<(usize, u32, Stat)> {
         out.push((n, size, stat(times)));
     }
     out
-}
-
-pub fn render_maglev(md: &mut String, rows: &[(usize, u32, Stat)]) {
-    let _ = writeln!(
-        md,
-        "\n### Maglev table builds\n\n\
-         One table per backend set of a Maglev Service port, rebuilt when the set changes (and only the chunks that \
-         differ written): the agent's build time, median (min–max) over rounds.\n"
-    );
-    let _ = writeln!(md, "| backends | table size | ms per build |");
-    let _ = writeln!(md, "|---:|---:|---:|");
-    for (n, size, s) in rows {
-        let _ = writeln!(
-            md,
-            "| {n} | {size} | {:.2} ({:.2}–{:.2}) |",
-            s.median, s.min, s.max
-        );
-    }
 }

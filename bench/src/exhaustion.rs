@@ -13,10 +13,7 @@
 //! alone) and is dropped as `drop_snat_exhausted`; the counters say how many
 //! ports each one tried.
 
-use std::{
-    fmt::Write as _,
-    net::{Ipv4Addr, SocketAddrV4},
-};
+use std::net::{Ipv4Addr, SocketAddrV4};
 
 use dataplane_agent::{
     dataplane::{Datapath, DatapathConfig, LoadOptions},
@@ -29,32 +26,35 @@ use dataplane_tests::{
     services::{TestEndpoint, TestService},
 };
 
-use super::{CT_ENTRIES, NEW_FLOWS_PER_ROUND, NODE, Stat, cell, stat};
+use crate::{
+    datapath::{CT_ENTRIES, NEW_FLOWS_PER_ROUND, NODE, unstalled_mean},
+    stat::{Stat, stat},
+};
 
 const FULL_PORT: u16 = 30_090;
 const ORDINARY_PORT: u16 = 30_091;
 const FULL_BACKEND: Ipv4Addr = Ipv4Addr::new(10, 128, 2, 1);
 
 pub struct Row {
-    rounds: usize,
+    pub rounds: usize,
     /// ns above the floor, per round: means (without stalled runs) and
     /// medians.
-    ordinary_mean: Stat,
-    ordinary_median: Stat,
-    full_mean: Stat,
-    full_median: Stat,
+    pub ordinary_mean: Stat,
+    pub ordinary_median: Stat,
+    pub full_mean: Stat,
+    pub full_median: Stat,
     /// Median over rounds of the per-round ratio of medians.
-    ratio: Stat,
+    pub ratio: Stat,
     /// Flows sent to `full` while measuring, and what they came to.
-    full_flows: u64,
-    exhausted_drops: u64,
-    ports_busy: u64,
-    backoff: u64,
+    pub full_flows: u64,
+    pub exhausted_drops: u64,
+    pub ports_busy: u64,
+    pub backoff: u64,
     /// Flows sent to fill `full`'s ports, and the ports they took.
-    fill_flows: u64,
-    ports: u32,
+    pub fill_flows: u64,
+    pub ports: u32,
     /// Drops of any reason among the `ordinary` flows' runs: none expected.
-    ordinary_drops: u64,
+    pub ordinary_drops: u64,
 }
 
 /// A client address and port for the `i`th flow: 60000 ports per address.
@@ -102,7 +102,7 @@ pub fn measure(rounds: usize) -> Row {
         .sync(dp.maps_mut(), &table)
         .expect("program");
     let ingress = dp.xdp().unwrap();
-    let floor = super::program(&dp, dataplane_common::names::XDP_FLOOR);
+    let floor = crate::datapath::program(&dp, dataplane_common::names::XDP_FLOOR);
     let floor_input = Frame::tcp(
         SocketAddrV4::new(Ipv4Addr::new(198, 18, 0, 100), 40000),
         SocketAddrV4::new(Ipv4Addr::new(203, 0, 113, 1), 80),
@@ -135,7 +135,7 @@ pub fn measure(rounds: usize) -> Row {
     loop {
         let before = exhausted(&dp);
         for _ in 0..1_000 {
-            super::run(ingress, &syn(next, FULL_PORT), 1);
+            crate::datapath::run(ingress, &syn(next, FULL_PORT), 1);
             next += 1;
         }
         if exhausted(&dp) - before == 1_000 {
@@ -159,18 +159,18 @@ pub fn measure(rounds: usize) -> Row {
     for _ in 0..rounds {
         let (mut floors, mut full, mut ord) = (vec![], vec![], vec![]);
         for _ in 0..NEW_FLOWS_PER_ROUND {
-            floors.push(super::run(floor, &floor_input, 1));
-            full.push(super::run(ingress, &syn(next, FULL_PORT), 1));
+            floors.push(crate::datapath::run(floor, &floor_input, 1));
+            full.push(crate::datapath::run(ingress, &syn(next, FULL_PORT), 1));
             full_flows += 1;
             let d = drops(&dp);
-            ord.push(super::run(ingress, &syn(next, ORDINARY_PORT), 1));
+            ord.push(crate::datapath::run(ingress, &syn(next, ORDINARY_PORT), 1));
             ordinary_drops += drops(&dp) - d;
             next += 1;
         }
-        let floor_mean = super::unstalled_mean(&floors);
+        let floor_mean = unstalled_mean(&floors);
         let floor_median = stat(floors).median;
-        om.push(super::unstalled_mean(&ord) - floor_mean);
-        fm.push(super::unstalled_mean(&full) - floor_mean);
+        om.push(unstalled_mean(&ord) - floor_mean);
+        fm.push(unstalled_mean(&full) - floor_mean);
         let (o, f) = (stat(ord).median - floor_median, stat(full).median - floor_median);
         omed.push(o);
         fmed.push(f);
@@ -191,64 +191,4 @@ pub fn measure(rounds: usize) -> Row {
         ports,
         ordinary_drops,
     }
-}
-
-pub fn render(md: &mut String, r: &Row) {
-    let per = |n: u64| n as f64 / r.full_flows.max(1) as f64;
-    writeln!(md, "\n## New flows when SNAT ports run out (`xdp_ingress`)\n").unwrap();
-    writeln!(
-        md,
-        "ns per new flow above the floor, BPF_PROG_TEST_RUN single runs (min–max over {} rounds of {} flows each). \
-         Two masqueraded NodePorts: *ordinary* has 8 backends whose SNAT ports stay mostly free; *ports exhausted* \
-         has one backend whose {} SNAT ports were first all taken by {} unanswered SYNs from distinct clients. The \
-         runs alternate floor, exhausted, ordinary, each a new client port. An exhausted flow tries its hashed port \
-         and up to 8 fallback ports, then (per CPU and backend, for 100 ms) its hashed port alone, and is dropped \
-         (`drop_snat_exhausted`): the client sees its SYN go unanswered and retransmits, as when netfilter's \
-         masquerade finds no free port.\n",
-        r.rounds, NEW_FLOWS_PER_ROUND, r.ports, r.fill_flows
-    )
-    .unwrap();
-    writeln!(md, "| new flow | mean | median | median vs ordinary |").unwrap();
-    writeln!(md, "|---|---:|---:|---:|").unwrap();
-    writeln!(
-        md,
-        "| ordinary (a free hashed port, mostly) | {} | {} | 1.00× |",
-        cell(r.ordinary_mean),
-        cell(r.ordinary_median)
-    )
-    .unwrap();
-    writeln!(
-        md,
-        "| ports exhausted | {} | {} | {:.2}× ({:.2}–{:.2}) |",
-        cell(r.full_mean),
-        cell(r.full_median),
-        r.ratio.median,
-        r.ratio.min,
-        r.ratio.max
-    )
-    .unwrap();
-    writeln!(
-        md,
-        "\nOf the {} exhausted flows: {:.3} dropped as `drop_snat_exhausted` each, {:.2} ports found busy each \
-         (`snat_ports_busy`), {:.3} in backoff each (`snat_backoff`). Drops among the ordinary flows: {}.",
-        r.full_flows,
-        per(r.exhausted_drops),
-        per(r.ports_busy),
-        per(r.backoff),
-        r.ordinary_drops
-    )
-    .unwrap();
-}
-
-pub fn json(r: &Row) -> String {
-    format!(
-        ",\n\"snat_exhaustion\": {{\"ordinary_median_ns\": {:.1}, \"exhausted_median_ns\": {:.1}, \"ratio\": {:.3}, \
-         \"ports_busy_per_flow\": {:.3}, \"exhausted_drops\": {}, \"flows\": {}}}",
-        r.ordinary_median.median,
-        r.full_median.median,
-        r.ratio.median,
-        r.ports_busy as f64 / r.full_flows.max(1) as f64,
-        r.exhausted_drops,
-        r.full_flows
-    )
 }

@@ -238,7 +238,7 @@ mod tests {
     fn the_markers_in_docs_benchmarks_md_are_well_formed_and_round_trip() {
         // The file with its blocks emptied (what the next run generates,
         // figures aside) gets its notes back, unchanged.
-        let doc = include_str!("../../../../docs/benchmarks.md");
+        let doc = include_str!("../../docs/benchmarks.md");
         let mut emptied = String::new();
         let mut names = Vec::new();
         for part in parse(doc).unwrap() {
