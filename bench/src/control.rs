@@ -21,7 +21,7 @@ use dataplane_agent::{
     },
     net::Protocol,
     state::{
-        model::NodeContext,
+        inputs::NodeContext,
         table::{Frontend, MapTable, intern},
     },
 };

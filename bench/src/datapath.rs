@@ -22,7 +22,7 @@ use aya::programs::Xdp;
 use dataplane_agent::{
     dataplane::{Datapath, DatapathConfig, LoadOptions},
     net::Protocol,
-    state::{desired, diff::Programmer, model::NodeContext},
+    state::{desired, diff::Programmer, inputs::NodeContext},
 };
 use dataplane_tests::{
     packet::{Frame, TCP_ACK, TCP_SYN},

@@ -18,7 +18,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use dataplane_agent::{
     dataplane::{Datapath, DatapathConfig, LoadOptions},
     net::Protocol,
-    state::{desired, diff::Programmer, model::NodeContext},
+    state::{desired, diff::Programmer, inputs::NodeContext},
 };
 use dataplane_common::stats::{Event, FlowStat};
 use dataplane_tests::{

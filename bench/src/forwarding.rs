@@ -33,7 +33,7 @@ use aya::{
 use dataplane_agent::{
     dataplane::{Datapath, DatapathConfig, LoadOptions, XdpMode},
     net::Protocol,
-    state::{desired, diff::Programmer, model::LbMode, model::NodeContext},
+    state::{desired, diff::Programmer, inputs::LbMode, inputs::NodeContext},
 };
 use dataplane_common::{
     bench::{BenchConfig, TEMPLATE_LEN},

@@ -17,7 +17,7 @@ use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use dataplane_agent::{
     dataplane::{Datapath, DatapathConfig, LoadOptions},
     net::Protocol,
-    state::{desired, diff::Programmer, model::NodeContext},
+    state::{desired, diff::Programmer, inputs::NodeContext},
 };
 use dataplane_tests::{
     packet::{Frame, TCP_ACK, TCP_SYN},

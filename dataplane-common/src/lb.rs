@@ -4,7 +4,7 @@
 //! instances). Values without addresses are shared.
 //!
 //! A frontend is (address, port, protocol). Its entries in the services map:
-//! slot 0 holds the frontend ([`Lb4Service::count`], service id, flags);
+//! slot 0 holds the frontend ([`LbService::count`], service id, flags);
 //! slots `1..=count` hold backend ids. A frontend may have two backend sets,
 //! selected by [`scope`]: eTP=Local external destinations keep the local set
 //! in [`scope::EXTERNAL`] and the cluster set (for in-cluster sources, which
@@ -44,7 +44,7 @@ crate::assert_layout!(Lb6ServiceKey, 24, 4);
 /// meaningful; for backend slots only `backend_id`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Lb4Service {
+pub struct LbService {
     /// Backend slots: the backend id. Frontend: its Maglev table
     /// ([`MaglevKey::table`]) with [`service_flags::MAGLEV`], else 0.
     pub backend_id: u32,
@@ -58,7 +58,7 @@ pub struct Lb4Service {
     /// Frontend: ClientIP affinity timeout in seconds (with `AFFINITY`).
     pub affinity_timeout_s: u32,
 }
-crate::assert_layout!(Lb4Service, 16, 4);
+crate::assert_layout!(LbService, 16, 4);
 
 pub mod service_flags {
     /// Kind of frontend (exactly one of the four).
@@ -143,7 +143,7 @@ crate::assert_layout!(Lb6AffinityKey, 20, 4);
 
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Lb4AffinityValue {
+pub struct LbAffinityValue {
     /// The datapath clock (`ct::now`) of the last new flow that used it.
     pub last_used_ns: u64,
     pub backend_id: u32,
@@ -151,7 +151,7 @@ pub struct Lb4AffinityValue {
     /// the same backend id in that slot of the frontend (O(1) membership).
     pub slot: u32,
 }
-crate::assert_layout!(Lb4AffinityValue, 16, 8);
+crate::assert_layout!(LbAffinityValue, 16, 8);
 
 /// Data part of the source-ranges LPM trie key (the prefix length precedes
 /// it): the service id must match fully (32 bits), then `prefix` bits of the
@@ -225,14 +225,14 @@ pub struct DsrValue {
 }
 crate::assert_layout!(DsrValue, 8, 4);
 
-crate::impl_pod!(Lb4Service, Lb4AffinityValue, MaglevKey, DsrValue);
+crate::impl_pod!(LbService, LbAffinityValue, MaglevKey, DsrValue);
 crate::impl_pod_generic!(LbServiceKey, LbBackend, AffinityKey, SourceRangeData, DsrKey);
 
 /// Who a service id belongs to, for `inspect` and for a restarted agent to
 /// keep ids stable. Written by the agent only; NUL-padded UTF-8.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Lb4ServiceName {
+pub struct LbServiceName {
     pub namespace: [u8; 64],
     pub name: [u8; 64],
     /// Service port names are at most 15 characters (IANA service names).
@@ -243,5 +243,5 @@ pub struct Lb4ServiceName {
     pub family: u8,
     pub _pad: [u8; 2],
 }
-crate::assert_layout!(Lb4ServiceName, 148, 1);
-crate::impl_pod!(Lb4ServiceName);
+crate::assert_layout!(LbServiceName, 148, 1);
+crate::impl_pod!(LbServiceName);

@@ -9,7 +9,7 @@ use dataplane_common::{
     config::DpConfig,
     ct::{CtEntry, CtKey, SnatClosed},
     lb::{
-        AffinityKey, DsrKey, DsrValue, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData,
+        AffinityKey, DsrKey, DsrValue, LbAffinityValue, LbBackend, LbService, LbServiceKey, SourceRangeData,
     },
     proto,
 };
@@ -56,9 +56,9 @@ pub trait Family: 'static {
     fn snat_closed() -> &'static LruHashMap<CtKey<Self::A>, SnatClosed>;
     fn ct_scratch() -> &'static PerCpuArray<CtScratch<Self::A>>;
     fn ct_peek() -> &'static PerCpuArray<CtEntry<Self::A>>;
-    fn services() -> &'static HashMap<LbServiceKey<Self::A>, Lb4Service>;
+    fn services() -> &'static HashMap<LbServiceKey<Self::A>, LbService>;
     fn backends() -> &'static Array<LbBackend<Self::A>>;
-    fn affinity() -> &'static LruHashMap<AffinityKey<Self::A>, Lb4AffinityValue>;
+    fn affinity() -> &'static LruHashMap<AffinityKey<Self::A>, LbAffinityValue>;
     fn source_ranges() -> &'static LpmTrie<SourceRangeData<Self::A>, u8>;
     fn dsr() -> &'static HashMap<DsrKey<Self::A>, DsrValue>;
 
@@ -114,7 +114,7 @@ impl Family for V4 {
         &CT_PEEK4
     }
     #[inline(always)]
-    fn services() -> &'static HashMap<LbServiceKey<u32>, Lb4Service> {
+    fn services() -> &'static HashMap<LbServiceKey<u32>, LbService> {
         &SERVICES
     }
     #[inline(always)]
@@ -122,7 +122,7 @@ impl Family for V4 {
         &BACKENDS
     }
     #[inline(always)]
-    fn affinity() -> &'static LruHashMap<AffinityKey<u32>, Lb4AffinityValue> {
+    fn affinity() -> &'static LruHashMap<AffinityKey<u32>, LbAffinityValue> {
         &AFFINITY
     }
     #[inline(always)]
@@ -194,7 +194,7 @@ impl Family for V6 {
         &CT_PEEK6
     }
     #[inline(always)]
-    fn services() -> &'static HashMap<LbServiceKey<Ip6>, Lb4Service> {
+    fn services() -> &'static HashMap<LbServiceKey<Ip6>, LbService> {
         &SERVICES6
     }
     #[inline(always)]
@@ -202,7 +202,7 @@ impl Family for V6 {
         &BACKENDS6
     }
     #[inline(always)]
-    fn affinity() -> &'static LruHashMap<AffinityKey<Ip6>, Lb4AffinityValue> {
+    fn affinity() -> &'static LruHashMap<AffinityKey<Ip6>, LbAffinityValue> {
         &AFFINITY6
     }
     #[inline(always)]

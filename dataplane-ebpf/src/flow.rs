@@ -9,7 +9,7 @@ use dataplane_common::{
     addr::Addr,
     config::{DpConfig, config_flags},
     ct::CtKey,
-    lb::{Lb4Service, LbBackend, LbServiceKey, backend_flags, scope, service_flags},
+    lb::{LbBackend, LbService, LbServiceKey, backend_flags, scope, service_flags},
     maglev,
     stats::Event,
 };
@@ -53,7 +53,7 @@ pub fn resolve<F: Family>(
     proto: u8,
     saddr: F::A,
     in_cluster: bool,
-) -> Result<(LbServiceKey<F::A>, Lb4Service), Event> {
+) -> Result<(LbServiceKey<F::A>, LbService), Event> {
     let mut key = LbServiceKey {
         address: daddr,
         port: dport,

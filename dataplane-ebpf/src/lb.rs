@@ -5,7 +5,7 @@ use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_get_prandom_u32, maps::lpm_trie::
 use dataplane_common::{
     config::DpConfig,
     lb::{
-        AffinityKey, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, MAGLEV_CHUNK, MaglevKey,
+        AffinityKey, LbAffinityValue, LbBackend, LbService, LbServiceKey, MAGLEV_CHUNK, MaglevKey,
         SourceRangeData, backend_flags, service_flags,
     },
     maglev,
@@ -14,7 +14,7 @@ use dataplane_common::{
 use crate::{family::Family, maps::MAGLEV};
 
 #[inline(always)]
-pub fn frontend<F: Family>(key: &LbServiceKey<F::A>) -> Option<Lb4Service> {
+pub fn frontend<F: Family>(key: &LbServiceKey<F::A>) -> Option<LbService> {
     // SAFETY: map value copied out.
     unsafe { F::services().get(key).copied() }
 }
@@ -54,7 +54,7 @@ fn backend_in_slot<F: Family>(key: &LbServiceKey<F::A>, slot: u32) -> Option<(u3
 /// table has it (a frontend written before its table, or a table size
 /// changed under it: the caller picks at random).
 #[inline(always)]
-fn maglev_backend<F: Family>(cfg: &DpConfig, svc: &Lb4Service, hash: u32) -> Option<(u32, LbBackend<F::A>)> {
+fn maglev_backend<F: Family>(cfg: &DpConfig, svc: &LbService, hash: u32) -> Option<(u32, LbBackend<F::A>)> {
     let entry = maglev::slot(hash, cfg.maglev_size);
     let key = MaglevKey {
         table: svc.backend_id,
@@ -78,7 +78,7 @@ fn maglev_backend<F: Family>(cfg: &DpConfig, svc: &Lb4Service, hash: u32) -> Opt
 pub fn select<F: Family>(
     cfg: &DpConfig,
     key: &LbServiceKey<F::A>,
-    svc: &Lb4Service,
+    svc: &LbService,
     client: F::A,
     flow_hash: Option<u32>,
     now: u64,
@@ -121,7 +121,7 @@ pub fn select<F: Family>(
     let slot = unsafe { bpf_get_prandom_u32() }.checked_rem(count).unwrap_or(0) + 1;
     let (id, be) = backend_in_slot::<F>(key, slot)?;
     if affinity {
-        let value = Lb4AffinityValue {
+        let value = LbAffinityValue {
             last_used_ns: now,
             backend_id: id,
             slot,

@@ -14,9 +14,9 @@ use dataplane_common::{
     filter::FILTER_WORDS,
     hint::DEVICE_WORDS,
     lb::{
-        Dsr4Key, Dsr6Key, DsrValue, Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey,
-        Lb4ServiceName, Lb4SourceRangeData, Lb6AffinityKey, Lb6Backend, Lb6ServiceKey, Lb6SourceRangeData,
-        MaglevChunk, MaglevKey,
+        Dsr4Key, Dsr6Key, DsrValue, Lb4AffinityKey, Lb4Backend, Lb4ServiceKey, Lb4SourceRangeData,
+        Lb6AffinityKey, Lb6Backend, Lb6ServiceKey, Lb6SourceRangeData, LbAffinityValue, LbService,
+        LbServiceName, MaglevChunk, MaglevKey,
     },
     limits,
     stats::{COUNTER_SLOTS, Counter, FLOW_STAT_SLOTS},
@@ -51,7 +51,7 @@ pub static ADDR_FILTER: Array<u64> = Array::with_max_entries(2 * FILTER_WORDS, 0
 pub static HINT_DEVICES: Array<u64> = Array::with_max_entries(DEVICE_WORDS, 0);
 
 #[map(name = "LB4_SERVICES_V1")]
-pub static SERVICES: HashMap<Lb4ServiceKey, Lb4Service> =
+pub static SERVICES: HashMap<Lb4ServiceKey, LbService> =
     HashMap::with_max_entries(limits::MAX_SERVICE_ENTRIES, 0);
 
 /// Indexed by backend id; id 0 and entries without `ACTIVE` are unused.
@@ -59,7 +59,7 @@ pub static SERVICES: HashMap<Lb4ServiceKey, Lb4Service> =
 pub static BACKENDS: Array<Lb4Backend> = Array::with_max_entries(limits::MAX_BACKENDS, 0);
 
 #[map(name = "LB4_AFFINITY_V1")]
-pub static AFFINITY: LruHashMap<Lb4AffinityKey, Lb4AffinityValue> =
+pub static AFFINITY: LruHashMap<Lb4AffinityKey, LbAffinityValue> =
     LruHashMap::with_max_entries(limits::AFFINITY_ENTRIES, 0);
 
 #[map(name = "LB4_SOURCE_RANGES_V1")]
@@ -106,7 +106,7 @@ pub static SERVICE_STATS: PerCpuArray<Counter> = PerCpuArray::with_max_entries(l
 /// Service id → its Kubernetes name. Only the agent (and `inspect`) use it;
 /// it lives in the object so that it is created and pinned with the rest.
 #[map(name = "LB4_SERVICE_NAMES_V1")]
-pub static SERVICE_NAMES: HashMap<u32, Lb4ServiceName> =
+pub static SERVICE_NAMES: HashMap<u32, LbServiceName> =
     HashMap::with_max_entries(limits::MAX_SERVICES, aya_ebpf::bindings::BPF_F_NO_PREALLOC);
 
 /// Connect-time translations: socket cookie + backend → Service address.
@@ -135,14 +135,14 @@ pub static XDP_DEVICES: DevMapHash = DevMapHash::with_max_entries(limits::XDP_DE
 // IPv6: the same shapes, keyed by 128-bit addresses (see `family`).
 
 #[map(name = "LB6_SERVICES_V1")]
-pub static SERVICES6: HashMap<Lb6ServiceKey, Lb4Service> =
+pub static SERVICES6: HashMap<Lb6ServiceKey, LbService> =
     HashMap::with_max_entries(limits::MAX_SERVICE_ENTRIES, 0);
 
 #[map(name = "LB6_BACKENDS_V1")]
 pub static BACKENDS6: Array<Lb6Backend> = Array::with_max_entries(limits::MAX_BACKENDS, 0);
 
 #[map(name = "LB6_AFFINITY_V1")]
-pub static AFFINITY6: LruHashMap<Lb6AffinityKey, Lb4AffinityValue> =
+pub static AFFINITY6: LruHashMap<Lb6AffinityKey, LbAffinityValue> =
     LruHashMap::with_max_entries(limits::AFFINITY_ENTRIES, 0);
 
 #[map(name = "LB6_SOURCE_RANGES_V1")]

@@ -12,7 +12,7 @@ use dataplane_agent::{
     state::{
         desired,
         diff::Programmer,
-        model::{Endpoint, LbAlgorithm, LbMode, NodeContext, ServicePort},
+        inputs::{Endpoint, LbAlgorithm, LbMode, NodeContext, ServicePort},
     },
 };
 

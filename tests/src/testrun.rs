@@ -5,7 +5,7 @@ use std::{net::Ipv4Addr, time::Duration};
 use aya::programs::{TestRun, TestRunOptions, TestRunResult};
 use dataplane_agent::{
     dataplane::{Datapath, DatapathConfig, LoadOptions},
-    state::{desired, diff::Programmer, model::NodeContext},
+    state::{desired, diff::Programmer, inputs::NodeContext},
 };
 
 use crate::services::TestService;

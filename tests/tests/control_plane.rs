@@ -18,7 +18,7 @@ use dataplane_agent::{
     net::Protocol,
     state::{
         diff::{MapWriter, Op},
-        model::NodeContext,
+        inputs::NodeContext,
         table::{Backend, BackendId, BackendKey, Frontend, MapTable, ServicePortName, StraySlot},
     },
 };

@@ -15,7 +15,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
-use dataplane_agent::{dataplane::Datapath, net::Protocol, state::model::LbMode};
+use dataplane_agent::{dataplane::Datapath, net::Protocol, state::inputs::LbMode};
 use dataplane_common::{
     names,
     stats::{Event, FlowStat},

@@ -131,7 +131,7 @@ pub struct RunConfig {
     /// Where the north-south ingress path runs on external devices.
     pub xdp_mode: XdpMode,
     /// `--lb-mode` and `--lb-algorithm`: for Services without annotations.
-    pub lb_defaults: crate::state::model::LbDefaults,
+    pub lb_defaults: crate::state::inputs::LbDefaults,
     /// Maglev's table size (a prime) and hash seed: the same on every node.
     pub maglev_size: u32,
     pub maglev_seed: u32,

@@ -48,7 +48,7 @@ use crate::{
     },
     net::NodePortAddresses,
     net::{IpCidr, IpFamily},
-    state::model::NodeContext,
+    state::inputs::NodeContext,
 };
 use dataplane_common::names;
 
@@ -74,7 +74,7 @@ impl Default for Timing {
 }
 
 /// What the loop asks of the rest of the agent.
-pub trait Hooks {
+pub trait Callbacks {
     /// After every sync (health state, health-check servers, events, the
     /// local endpoints pod interfaces must reach).
     fn synced(&mut self, report: &SyncReport, store: &Store, feed: &Feed, syncer: &Syncer, dp: &mut Datapath);
@@ -88,7 +88,7 @@ pub trait Hooks {
 const RECONCILE_BUDGET: f64 = 0.005;
 
 /// When the loop has something to do.
-struct Clock {
+struct Schedule {
     /// When the last sync started.
     last_sync: Option<Instant>,
     /// A sync even without changes (`/healthz` counts on one per period).
@@ -101,7 +101,7 @@ struct Clock {
     node_changed: bool,
 }
 
-impl Clock {
+impl Schedule {
     /// Whether anything asks for a sync.
     fn wanted(&self, store: &Store, now: Instant) -> bool {
         store.has_changes()
@@ -157,7 +157,7 @@ pub struct ControlLoop {
     pub node_ips: Vec<std::net::IpAddr>,
     pub node_port_addresses: NodePortAddresses,
     /// `--lb-mode`, `--lb-algorithm`.
-    pub lb_defaults: crate::state::model::LbDefaults,
+    pub lb_defaults: crate::state::inputs::LbDefaults,
     pub bpffs_dir: String,
     pub timing: Timing,
     pub events: Receiver<Event>,
@@ -197,12 +197,12 @@ impl ControlLoop {
     }
 
     /// Runs until SIGTERM/SIGINT (Ok) or until the agent cannot go on.
-    pub fn run(mut self, hooks: &mut dyn Hooks) -> Result<(), ControlError> {
+    pub fn run(mut self, callbacks: &mut dyn Callbacks) -> Result<(), ControlError> {
         let t = self.timing.clone();
         let mut store = Store::default();
         let mut node = self.node();
         let now = Instant::now();
-        let mut clock = Clock {
+        let mut clock = Schedule {
             last_sync: None,
             next_periodic: now + t.sync_period,
             next_reconcile: now + t.sync_period,
@@ -224,12 +224,12 @@ impl ControlLoop {
             if deadline > now {
                 match self.events.recv_timeout(deadline - now) {
                     Ok(ev) => {
-                        if !self.handle(ev, &mut store, hooks) {
+                        if !self.handle(ev, &mut store, callbacks) {
                             break;
                         }
                         // Everything already queued goes into this round.
                         while let Ok(ev) = self.events.try_recv() {
-                            if !self.handle(ev, &mut store, hooks) {
+                            if !self.handle(ev, &mut store, callbacks) {
                                 return Ok(());
                             }
                         }
@@ -243,7 +243,7 @@ impl ControlLoop {
                 if !self.dp.pins_intact() {
                     return Err(ControlError::PinsRemoved(self.bpffs_dir.clone()));
                 }
-                hooks.interfaces(&mut self.dp);
+                callbacks.interfaces(&mut self.dp);
                 // Removed backends leave the address filter once no flow
                 // uses them (a conntrack walk, only when one is due).
                 if let Err(e) = self.dp.maps_mut().expire_retired_backends() {
@@ -293,7 +293,7 @@ impl ControlLoop {
             };
             log_sync(&report, &store);
             self.record_sync(&report, &mut seen_triggers);
-            hooks.synced(&report, &store, &self.feed, &self.syncer, &mut self.dp);
+            callbacks.synced(&report, &store, &self.feed, &self.syncer, &mut self.dp);
             if kind != SyncKind::Incremental || report.summary.ops > 10_000 {
                 trim_heap();
             }
@@ -367,10 +367,10 @@ impl ControlLoop {
     }
 
     /// Applies one event; false on Stop.
-    fn handle(&mut self, event: Event, store: &mut Store, hooks: &mut dyn Hooks) -> bool {
+    fn handle(&mut self, event: Event, store: &mut Store, callbacks: &mut dyn Callbacks) -> bool {
         match event {
             Event::Stop => return false,
-            Event::Links => hooks.interfaces(&mut self.dp),
+            Event::Links => callbacks.interfaces(&mut self.dp),
             ev => self.feed.handle(ev, store, &self.node_name),
         }
         true

@@ -15,7 +15,7 @@ use tracing::{info, warn};
 
 use super::{
     config::{CgroupOrigin, RunConfig, Source},
-    control::{ControlLoop, Hooks, Timing},
+    control::{Callbacks, ControlLoop, Timing},
     counters::DatapathCounters,
     health::{self, HealthState, ServiceHealthServers},
     http,
@@ -182,7 +182,7 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         cluster_cidrs: cfg.cluster_cidrs.clone(),
         service_cidr_flags: cfg.service_cidrs.clone(),
     };
-    let mut hooks = AgentHooks {
+    let mut callbacks = DaemonCallbacks {
         cfg: &cfg,
         health: servers.health.clone(),
         metrics: servers.metrics.clone(),
@@ -191,7 +191,7 @@ pub fn run(mut cfg: RunConfig) -> anyhow::Result<()> {
         external,
         reported: BTreeSet::new(),
     };
-    control.run(&mut hooks)?;
+    control.run(&mut callbacks)?;
     info!(
         "stopping; the datapath stays attached (pinned under {})",
         cfg.bpffs_dir.display()
@@ -410,7 +410,7 @@ fn start_load_balancers(
 
 /// What the agent does around the control loop: health, events, pod
 /// interfaces.
-struct AgentHooks<'a> {
+struct DaemonCallbacks<'a> {
     cfg: &'a RunConfig,
     health: Arc<Mutex<HealthState>>,
     metrics: Arc<Mutex<Metrics>>,
@@ -420,7 +420,7 @@ struct AgentHooks<'a> {
     reported: BTreeSet<String>,
 }
 
-impl Hooks for AgentHooks<'_> {
+impl Callbacks for DaemonCallbacks<'_> {
     fn synced(
         &mut self,
         report: &SyncReport,

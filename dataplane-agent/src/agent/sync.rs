@@ -26,7 +26,7 @@ use crate::{
         diff::{MapWriter, Op, PlanSummary, Programmer},
         ids::ServiceIds,
         incremental::{Dirty, ServiceTable},
-        model::NodeContext,
+        inputs::NodeContext,
         table::{Frontend, MapTable},
     },
 };
@@ -716,7 +716,7 @@ mod tests {
     /// (with the ids the syncer gave them).
     fn reference(store: &Store, syncer: &Syncer, node: &NodeContext) -> DesiredTable {
         let (ports, _) = store.service_ports(NODE);
-        let mut ranked: Vec<(Rank, u32, &crate::state::model::ServicePort)> = ports
+        let mut ranked: Vec<(Rank, u32, &crate::state::inputs::ServicePort)> = ports
             .iter()
             .map(|p| {
                 let key = ObjectKey::new(&p.namespace, &p.name);

@@ -128,12 +128,12 @@ pub struct RunArgs {
     /// TCP, SNAT for the rest). Services choose for themselves with the
     /// annotation dataplane.example.com/lb-mode. Every node must agree.
     #[arg(long)]
-    pub lb_mode: Option<crate::state::model::LbMode>,
+    pub lb_mode: Option<crate::state::inputs::LbMode>,
     /// How a new flow's backend is picked: `random` (kube-proxy's way) or
     /// `maglev` (consistent hashing: every node picks the same backend for
     /// a flow). Annotation: dataplane.example.com/lb-algorithm.
     #[arg(long)]
-    pub lb_algorithm: Option<crate::state::model::LbAlgorithm>,
+    pub lb_algorithm: Option<crate::state::inputs::LbAlgorithm>,
     /// Entries of each Maglev table: a prime (default 16381; larger for
     /// services with many backends: 100 or more entries per backend keep
     /// flows within about 1% of their share). Every node must agree.
@@ -294,7 +294,7 @@ pub fn resolve(args: RunArgs) -> anyhow::Result<(RunConfig, String)> {
                 (None, Some(m)) => m.parse().map_err(|e| parse_err("xdpMode", e))?,
                 (None, None) => XdpMode::Auto,
             },
-            lb_defaults: crate::state::model::LbDefaults {
+            lb_defaults: crate::state::inputs::LbDefaults {
                 mode: match (args.lb_mode, file.lb_mode) {
                     (Some(m), _) => m,
                     (None, Some(m)) => m.parse().map_err(|e| parse_err("lbMode", e))?,

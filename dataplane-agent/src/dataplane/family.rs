@@ -13,7 +13,7 @@ use aya::maps::{Array, HashMap, IterableMap, LpmTrie, MapData};
 use dataplane_common::{
     addr::{Addr, Ip6},
     ct::{CtEntry, CtKey, ct_flags},
-    lb::{AffinityKey, Lb4AffinityValue, Lb4Service, LbBackend, LbServiceKey, SourceRangeData},
+    lb::{AffinityKey, LbAffinityValue, LbBackend, LbService, LbServiceKey, SourceRangeData},
     names, proto,
 };
 
@@ -93,9 +93,9 @@ pub type CtEntries<A> = Vec<(CtKey<A>, CtEntry<A>)>;
 /// One family's maps: services (frontends and slots), backends, affinity,
 /// source ranges, conntrack.
 pub struct FamilyMaps<A: AbiAddr> {
-    pub(super) services: Map<LbServiceKey<A>, Lb4Service>,
+    pub(super) services: Map<LbServiceKey<A>, LbService>,
     pub(super) backends: Array<MapData, LbBackend<A>>,
-    pub(super) affinity: Map<AffinityKey<A>, Lb4AffinityValue>,
+    pub(super) affinity: Map<AffinityKey<A>, LbAffinityValue>,
     pub(super) source_ranges: LpmTrie<MapData, SourceRangeData<A>, u8>,
     /// Conntrack (an LRU).
     pub(super) ct: Map<CtKey<A>, CtEntry<A>>,
@@ -112,7 +112,7 @@ pub struct FamilyMaps<A: AbiAddr> {
 
 impl<A: AbiAddr> FamilyMaps<A> {
     pub(super) fn services_fd(&self) -> BorrowedFd<'_> {
-        IterableMap::<LbServiceKey<A>, Lb4Service>::map(&self.services)
+        IterableMap::<LbServiceKey<A>, LbService>::map(&self.services)
             .fd()
             .as_fd()
     }
@@ -243,7 +243,7 @@ impl<A: AbiAddr> FamilyMaps<A> {
     }
 
     /// The ClientIP affinity entry of `client` for a service port.
-    pub fn affinity(&self, service_id: u32, client: A) -> Option<Lb4AffinityValue> {
+    pub fn affinity(&self, service_id: u32, client: A) -> Option<LbAffinityValue> {
         self.affinity.get(&AffinityKey { client, service_id }, 0).ok()
     }
 
@@ -252,7 +252,7 @@ impl<A: AbiAddr> FamilyMaps<A> {
         let fd = IterableMap::<LbServiceKey<A>, _>::map(&self.services)
             .fd()
             .as_fd();
-        batch::count::<LbServiceKey<A>, Lb4Service>(fd).map_err(|source| DatapathError::Batch {
+        batch::count::<LbServiceKey<A>, LbService>(fd).map_err(|source| DatapathError::Batch {
             name: A::SERVICES,
             source,
         })
@@ -263,7 +263,7 @@ impl<A: AbiAddr> FamilyMaps<A> {
     pub(super) fn counts(&self) -> (usize, usize, usize) {
         let ct = batch::count::<CtKey<A>, CtEntry<A>>(self.ct_fd()).unwrap_or(0);
         let assured = batch::count::<CtKey<A>, CtEntry<A>>(self.ct_assured_fd()).unwrap_or(0);
-        let affinity = batch::count::<AffinityKey<A>, Lb4AffinityValue>(self.affinity_fd()).unwrap_or(0);
+        let affinity = batch::count::<AffinityKey<A>, LbAffinityValue>(self.affinity_fd()).unwrap_or(0);
         (ct, assured, affinity)
     }
 }

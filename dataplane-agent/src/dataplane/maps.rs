@@ -11,7 +11,7 @@ use dataplane_common::{
     config::{DpConfig, config_flags},
     ct::{Ct4Entry, Ct4Key, Ct6Entry, Ct6Key},
     hint,
-    lb::{Lb4AffinityValue, Lb4Service, Lb4ServiceName, LbServiceKey},
+    lb::{LbAffinityValue, LbService, LbServiceKey, LbServiceName},
     names,
     stats::{Counter, Event, FlowStat, Hook, counter_index},
 };
@@ -38,7 +38,7 @@ pub struct LbMaps {
     pub(super) v6: FamilyMaps<Ip6>,
     pub(super) counters: PerCpuArray<MapData, Counter>,
     pub(super) service_stats: PerCpuArray<MapData, Counter>,
-    pub(super) service_names: Map<u32, Lb4ServiceName>,
+    pub(super) service_names: Map<u32, LbServiceName>,
     pub(super) sock_revnat: Map<dataplane_common::ct::Sock4RevKey, dataplane_common::ct::Sock4RevValue>,
     pub(super) sock_revnat6: Map<dataplane_common::ct::Sock6RevKey, dataplane_common::ct::Sock6RevValue>,
     pub(super) addr_filter: Array<MapData, u64>,
@@ -321,7 +321,7 @@ impl LbMaps {
     }
 
     /// The ClientIP affinity entry of `client` for a service port.
-    pub fn affinity(&self, service_id: u32, client: IpAddr) -> Option<Lb4AffinityValue> {
+    pub fn affinity(&self, service_id: u32, client: IpAddr) -> Option<LbAffinityValue> {
         match client {
             IpAddr::V4(_) => self.v4.affinity(service_id, super::family::abi(client)),
             IpAddr::V6(_) => self.v6.affinity(service_id, super::family::abi(client)),
@@ -455,7 +455,7 @@ fn sum_per_cpu(
 /// 100k Services).
 fn hold_heads<A: AbiAddr>(filter: &mut AddressFilter, m: &FamilyMaps<A>) -> Result<(), DatapathError> {
     let mut heads = Vec::new();
-    batch::for_each(m.services_fd(), |k: &LbServiceKey<A>, _: &Lb4Service| {
+    batch::for_each(m.services_fd(), |k: &LbServiceKey<A>, _: &LbService| {
         if k.slot == 0 {
             heads.push(*k);
         }

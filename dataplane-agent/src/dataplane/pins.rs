@@ -27,8 +27,8 @@ use dataplane_common::{
     ct::{Ct4Entry, Ct4Key, Ct6Entry, Ct6Key, Sock4RevKey, Sock4RevValue, Sock6RevKey, Sock6RevValue},
     lb::DsrValue,
     lb4::{
-        Lb4AffinityKey, Lb4AffinityValue, Lb4Backend, Lb4Service, Lb4ServiceKey, Lb4ServiceName,
-        Lb6AffinityKey, Lb6Backend, Lb6ServiceKey,
+        Lb4AffinityKey, Lb4Backend, Lb4ServiceKey, Lb6AffinityKey, Lb6Backend, Lb6ServiceKey,
+        LbAffinityValue, LbService, LbServiceName,
     },
     names,
     stats::Counter,
@@ -115,16 +115,16 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
     let s = |k: usize, v: usize| Some((k as u32, v as u32));
     match name {
         names::CONFIG => s(4, size_of::<DpConfig>()),
-        names::LB4_SERVICES => s(size_of::<Lb4ServiceKey>(), size_of::<Lb4Service>()),
+        names::LB4_SERVICES => s(size_of::<Lb4ServiceKey>(), size_of::<LbService>()),
         names::LB4_BACKENDS => s(4, size_of::<Lb4Backend>()),
-        names::LB4_AFFINITY => s(size_of::<Lb4AffinityKey>(), size_of::<Lb4AffinityValue>()),
+        names::LB4_AFFINITY => s(size_of::<Lb4AffinityKey>(), size_of::<LbAffinityValue>()),
         // LPM key: prefix length + service id + address.
         names::LB4_SOURCE_RANGES => s(12, 1),
         names::CT4 | names::CT4_ASSURED => s(size_of::<Ct4Key>(), size_of::<Ct4Entry>()),
         names::CT6 | names::CT6_ASSURED => s(size_of::<Ct6Key>(), size_of::<Ct6Entry>()),
-        names::LB6_SERVICES => s(size_of::<Lb6ServiceKey>(), size_of::<Lb4Service>()),
+        names::LB6_SERVICES => s(size_of::<Lb6ServiceKey>(), size_of::<LbService>()),
         names::LB6_BACKENDS => s(4, size_of::<Lb6Backend>()),
-        names::LB6_AFFINITY => s(size_of::<Lb6AffinityKey>(), size_of::<Lb4AffinityValue>()),
+        names::LB6_AFFINITY => s(size_of::<Lb6AffinityKey>(), size_of::<LbAffinityValue>()),
         // LPM key: prefix length + service id + address.
         names::LB6_SOURCE_RANGES => s(24, 1),
         names::SOCK6_REVNAT => s(size_of::<Sock6RevKey>(), size_of::<Sock6RevValue>()),
@@ -133,7 +133,7 @@ fn expected_layout(name: &str) -> Option<(u32, u32)> {
         names::SNAT_CURSORS => s(4, size_of::<dataplane_common::ct::SnatCursor>()),
         names::SNAT4_CLOSED => s(size_of::<Ct4Key>(), size_of::<dataplane_common::ct::SnatClosed>()),
         names::SNAT6_CLOSED => s(size_of::<Ct6Key>(), size_of::<dataplane_common::ct::SnatClosed>()),
-        names::LB4_SERVICE_NAMES => s(4, size_of::<Lb4ServiceName>()),
+        names::LB4_SERVICE_NAMES => s(4, size_of::<LbServiceName>()),
         names::SOCK4_REVNAT => s(size_of::<Sock4RevKey>(), size_of::<Sock4RevValue>()),
         names::LB_MAGLEV => s(
             size_of::<dataplane_common::lb::MaglevKey>(),

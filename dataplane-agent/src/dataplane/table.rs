@@ -16,7 +16,7 @@ use std::{collections::HashMap, net::IpAddr, time::Duration};
 use aya::maps::{MapError, lpm_trie::Key};
 use dataplane_common::{
     lb::{
-        Lb4Service, Lb4ServiceName, LbBackend, LbServiceKey, SourceRangeData, backend_flags, scope,
+        LbBackend, LbService, LbServiceKey, LbServiceName, SourceRangeData, backend_flags, scope,
         service_flags,
     },
     limits, names,
@@ -105,8 +105,8 @@ fn wildcard_key<A: AbiAddr>(addr: IpAddr) -> LbServiceKey<A> {
     }
 }
 
-fn wildcard_value() -> Lb4Service {
-    Lb4Service {
+fn wildcard_value() -> LbService {
+    LbService {
         flags: service_flags::WILDCARD,
         ..Default::default()
     }
@@ -122,11 +122,11 @@ fn source_range_key<A: AbiAddr>(service_id: u32, range: IpCidr) -> Key<SourceRan
     )
 }
 
-/// `family` byte of [`Lb4ServiceName`].
+/// `family` byte of [`LbServiceName`].
 const NAME_FAMILY_V6: u8 = 6;
 
-fn name_to_abi(n: &ServicePortName) -> Lb4ServiceName {
-    let mut v = Lb4ServiceName {
+fn name_to_abi(n: &ServicePortName) -> LbServiceName {
+    let mut v = LbServiceName {
         namespace: [0; 64],
         name: [0; 64],
         port_name: [0; 16],
@@ -147,7 +147,7 @@ fn name_to_abi(n: &ServicePortName) -> Lb4ServiceName {
     v
 }
 
-fn name_from_abi(v: &Lb4ServiceName) -> ServicePortName {
+fn name_from_abi(v: &LbServiceName) -> ServicePortName {
     let text =
         |b: &[u8]| String::from_utf8_lossy(b.split(|c| *c == 0).next().unwrap_or_default()).into_owned();
     ServicePortName {
@@ -167,7 +167,7 @@ fn name_from_abi(v: &Lb4ServiceName) -> ServicePortName {
 /// batch syscall takes them.
 struct Entries<A: AbiAddr> {
     keys: Vec<LbServiceKey<A>>,
-    values: Vec<Lb4Service>,
+    values: Vec<LbService>,
 }
 
 impl<A: AbiAddr> Default for Entries<A> {
@@ -180,7 +180,7 @@ impl<A: AbiAddr> Default for Entries<A> {
 }
 
 impl<A: AbiAddr> Entries<A> {
-    fn push(&mut self, k: LbServiceKey<A>, v: Lb4Service) {
+    fn push(&mut self, k: LbServiceKey<A>, v: LbService) {
         self.keys.push(k);
         self.values.push(v);
     }
@@ -296,7 +296,7 @@ impl Shared<'_> {
             .map_or(0, |d| d.as_secs().clamp(1, u32::MAX as u64) as u32);
         // A Maglev set's table (`state::maglev::table_id`): the local set's
         // or the cluster set's of the service port.
-        let head = |set: &BackendSet, flags: u16, local: bool| Lb4Service {
+        let head = |set: &BackendSet, flags: u16, local: bool| LbService {
             backend_id: if entry.maglev {
                 crate::state::maglev::table_id(entry.service_id, local)
             } else {
@@ -314,7 +314,7 @@ impl Shared<'_> {
         };
         let mut set_slots = |scope: u8, set: &BackendSet| {
             for (i, id) in set.backends.iter().enumerate() {
-                let slot = Lb4Service {
+                let slot = LbService {
                     backend_id: id.get(),
                     ..Default::default()
                 };
@@ -444,7 +444,7 @@ impl<A: AbiAddr> FamilyMaps<A> {
     }
 
     /// The frontend's slot-0 entry and backend ids of one scope, as stored.
-    fn frontend(&self, fe: &Frontend, scope: u8) -> Result<Option<(Lb4Service, Vec<u32>)>, DatapathError> {
+    fn frontend(&self, fe: &Frontend, scope: u8) -> Result<Option<(LbService, Vec<u32>)>, DatapathError> {
         let head = match self.services.get(&service_key::<A>(fe, scope, 0), 0) {
             Ok(h) => h,
             Err(MapError::KeyNotFound) => return Ok(None),
@@ -465,15 +465,15 @@ impl<A: AbiAddr> FamilyMaps<A> {
     /// and damaged entries, source ranges) into `table`, in batches (a few
     /// hundred syscalls for a million entries).
     fn read_into(&self, table: &mut MapTable) -> Result<(), DatapathError> {
-        let mut entries: HashMap<LbServiceKey<A>, Lb4Service> = HashMap::new();
-        batch::for_each(self.services_fd(), |k: &LbServiceKey<A>, v: &Lb4Service| {
+        let mut entries: HashMap<LbServiceKey<A>, LbService> = HashMap::new();
+        batch::for_each(self.services_fd(), |k: &LbServiceKey<A>, v: &LbService| {
             entries.insert(*k, *v);
         })
         .map_err(batch_err(A::SERVICES))?;
         // Which entries the frontends account for.
         let mut used: std::collections::HashSet<LbServiceKey<A>> = std::collections::HashSet::new();
         let set_of = |key: &LbServiceKey<A>,
-                      head: &Lb4Service,
+                      head: &LbService,
                       used: &mut std::collections::HashSet<LbServiceKey<A>>| {
             let mut complete = true;
             let mut ids = Vec::with_capacity(head.count as usize);
@@ -694,7 +694,7 @@ impl<A: AbiAddr> FamilyMaps<A> {
                 invalid.map_or(Ok(()), Err)
             }
             Op::SetServiceAddress(..) => {
-                let entries: Vec<(LbServiceKey<A>, Lb4Service)> = run
+                let entries: Vec<(LbServiceKey<A>, LbService)> = run
                     .iter()
                     .map(|op| match op {
                         Op::SetServiceAddress(a) => {
@@ -879,11 +879,7 @@ impl LbMaps {
     }
 
     /// The frontend's slot-0 entry and backend ids of one scope, as stored.
-    pub fn frontend(
-        &self,
-        fe: &Frontend,
-        scope: u8,
-    ) -> Result<Option<(Lb4Service, Vec<u32>)>, DatapathError> {
+    pub fn frontend(&self, fe: &Frontend, scope: u8) -> Result<Option<(LbService, Vec<u32>)>, DatapathError> {
         match fe.family() {
             IpFamily::V4 => self.v4.frontend(fe, scope),
             IpFamily::V6 => self.v6.frontend(fe, scope),
@@ -921,7 +917,7 @@ impl LbMaps {
 
     fn names_fd(&self) -> std::os::fd::BorrowedFd<'_> {
         use std::os::fd::AsFd as _;
-        aya::maps::IterableMap::<u32, Lb4ServiceName>::map(&self.service_names)
+        aya::maps::IterableMap::<u32, LbServiceName>::map(&self.service_names)
             .fd()
             .as_fd()
     }
@@ -938,7 +934,7 @@ impl LbMaps {
     /// service id → its Service port (read in batches).
     pub fn service_names(&self) -> Result<Vec<(u32, ServicePortName)>, DatapathError> {
         let mut out = Vec::new();
-        batch::for_each(self.names_fd(), |id: &u32, v: &Lb4ServiceName| {
+        batch::for_each(self.names_fd(), |id: &u32, v: &LbServiceName| {
             out.push((*id, name_from_abi(v)))
         })
         .map_err(batch_err(names::LB4_SERVICE_NAMES))?;
@@ -1006,7 +1002,7 @@ impl LbMaps {
     fn apply_run(&mut self, run: &[Op]) -> Result<(), RunError> {
         match &run[0] {
             Op::SetServiceName(..) => {
-                let entries: Vec<(u32, Lb4ServiceName)> = run
+                let entries: Vec<(u32, LbServiceName)> = run
                     .iter()
                     .map(|op| match op {
                         Op::SetServiceName(id, n) => (*id, name_to_abi(n)),

@@ -1,6 +1,6 @@
 //! Kubernetes objects in, the service table's inputs out.
 //!
-//! - [`model`]: Services + EndpointSlices + the Node → [`crate::state::model::ServicePort`]s,
+//! - [`model`]: Services + EndpointSlices + the Node → [`crate::state::inputs::ServicePort`]s,
 //!   with kube-proxy's rules for which objects count, endpoint conditions,
 //!   duplicates, topology, named ports, LoadBalancer ipMode.
 //! - [`store`]: the objects as the sources deliver them, and the service ids.

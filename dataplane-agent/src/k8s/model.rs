@@ -20,7 +20,7 @@ use k8s_openapi::{
 use crate::{
     net::{IpCidr, IpFamily, Protocol},
     state::{
-        model::{Endpoint, LbChoice, ServicePort},
+        inputs::{Endpoint, LbChoice, ServicePort},
         table::intern,
     },
 };

@@ -19,7 +19,7 @@ use k8s_openapi::api::{
 pub use super::model::ObjectKey;
 use super::model::{NodeInfo, ServiceInfo, Skipped, SliceInfo, ports_of, proxied, skipped_of};
 use super::service_cidrs::ServiceCidrObjects;
-use crate::state::model::ServicePort;
+use crate::state::inputs::ServicePort;
 
 /// The key of an object's metadata.
 pub fn key_of(meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta) -> ObjectKey {

@@ -17,7 +17,7 @@ use std::{
 
 pub use super::table::BackendKey;
 use super::{
-    model::{Endpoint, LbAlgorithm, NodeContext, ServicePort},
+    inputs::{Endpoint, LbAlgorithm, NodeContext, ServicePort},
     table::{Backend, BackendSet, EmptyVerdict, Frontend, FrontendEntry, FrontendKind, ServicePortName},
 };
 use crate::net::{IpCidr, IpFamily};

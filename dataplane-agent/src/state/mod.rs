@@ -2,7 +2,7 @@
 //!
 //! - [`table`]: the vocabulary (frontends, backends, backend sets, Service
 //!   port names) that `dataplane/` converts to the kernel ABI.
-//! - [`model`]: a Service port as kube-proxy sees it (already split per IP
+//! - [`inputs`]: a Service port as kube-proxy sees it (already split per IP
 //!   family and port, endpoints resolved) and the node's view.
 //! - [`desired`]: the pure function from a Service port to what it adds to
 //!   the table, with kube-proxy's semantics, and the whole table at once.
@@ -25,7 +25,7 @@ pub mod diff;
 pub mod fake;
 pub mod ids;
 pub mod incremental;
+pub mod inputs;
 pub mod maglev;
-pub mod model;
 pub mod stored;
 pub mod table;

@@ -163,7 +163,7 @@ fn services_of(v6: bool) -> Vec<TestService> {
         // node) taken apart and translated.
         new(11, "dsr", Protocol::Tcp, 80)
             .node_port(DSR_NODE_PORT)
-            .lb_mode(dataplane_agent::state::model::LbMode::Dsr)
+            .lb_mode(dataplane_agent::state::inputs::LbMode::Dsr)
             .endpoint(local(8082)),
     ]
 }
