@@ -20,6 +20,7 @@ pub mod lb;
 pub mod load;
 pub mod netns;
 pub mod packet;
+pub mod sandbox;
 pub mod sctp;
 pub mod services;
 pub mod testrun;
