@@ -137,57 +137,32 @@ fn manifests(c: &Cluster) -> String {
     .join("---\n")
 }
 
-struct Sandbox {
-    agents: Vec<AgentProcess>,
-    _servers: Vec<EchoServer>,
-    _manifests: ManifestDir,
-    cluster: Cluster,
-}
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     /// Pods "client" and "a" on node1, "b" on node2, TCP and UDP echo
     /// servers on each pod's IPv4 and IPv6 address, an agent per node.
     fn new() -> Self {
-        let mut cluster = Cluster::dual_stack(Wiring::Wire, PodLayout::Routed);
-        for (name, node) in [("client", 0), ("a", 0), ("b", 1)] {
-            cluster.add_pod(node, name);
-        }
-        let mut servers = Vec::new();
-        for p in &cluster.pods {
-            for ip in [IpAddr::V4(p.ip), IpAddr::V6(p.ip6.unwrap())] {
-                servers.push(EchoServer::tcp(&p.ns, &p.name, (ip, TARGET)));
-                servers.push(EchoServer::udp(&p.ns, &p.name, (ip, TARGET)));
-            }
-        }
-        let dir = ManifestDir::new(cluster.prefix());
-        dir.write("services.yaml", &manifests(&cluster));
-        cluster.route_from_client("198.19.0.0/24", 0);
-        cluster.route_from_client("2001:db8:19::/64", 0);
-        let agents = (0..2)
-            .map(|i| {
-                let cgroup = cluster.nodes[i].cgroup.path();
-                cluster.start_agent(
-                    BIN,
-                    i,
-                    &dir,
-                    &["--cgroup-path", cgroup.to_str().unwrap(), "--localhost-nodeports"],
-                )
-            })
-            .collect();
-        Self {
-            agents,
-            _servers: servers,
-            _manifests: dir,
-            cluster,
-        }
-    }
-
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .map(|a| a.log_text())
-            .collect::<Vec<_>>()
-            .join("\n---\n")
+        Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::dual_stack(Wiring::Wire, PodLayout::Routed))
+                .pods(&[("client", 0), ("a", 0), ("b", 1)])
+                .tcp_echo_every_address(TARGET)
+                .udp_echo_every_address(TARGET)
+                .manifest("services.yaml", manifests)
+                .route_from_client("198.19.0.0/24", 0)
+                .route_from_client("2001:db8:19::/64", 0)
+                .agents(2, |s, i| {
+                    let cgroup = s.cluster.nodes[i].cgroup.path();
+                    s.start_agent(
+                        BIN,
+                        i,
+                        &["--cgroup-path", cgroup.to_str().unwrap(), "--localhost-nodeports"],
+                    )
+                }),
+        )
     }
 
     /// (server, source address it saw) of `n` TCP requests from `pod` (or

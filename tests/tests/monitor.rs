@@ -14,7 +14,7 @@ use std::{
 };
 
 use dataplane_tests::{
-    agent::{AgentProcess, HEALTH_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
+    agent::{AgentProcess, HEALTH_PORT, ManifestEndpoint as Ep, service_yaml},
     cluster::{CLIENT_IP, Cluster},
 };
 use serde_json::Value;
@@ -32,69 +32,65 @@ const OPEN: u16 = 30083;
 /// - `ranged`: LoadBalancer 198.19.0.30 open to 203.0.113.0/24 only;
 /// - `open`: NodePort 30083, eTP=Cluster, its one endpoint on node2 (the
 ///   packets node1 translates).
-struct Sandbox {
-    agent: AgentProcess,
-    _manifests: ManifestDir,
-    cluster: Cluster,
+fn services(c: &Cluster) -> String {
+    let b = c.pod("b");
+    let eps = [Ep::ready(b.ip, &c.nodes[1].name)];
+    let udp = |y: String| y.replace("protocol: TCP", "protocol: UDP");
+    let local_none = udp(service_yaml(
+        "local-none",
+        &format!("  type: NodePort\n  clusterIP: {CLUSTER_IP}\n  externalTrafficPolicy: Local\n"),
+        53,
+        Some(LOCAL_NONE),
+        5353,
+        &eps,
+    ));
+    let empty = udp(service_yaml(
+        "empty",
+        "  type: NodePort\n  clusterIP: 10.96.0.22\n",
+        53,
+        Some(EMPTY),
+        5353,
+        &[],
+    ));
+    let ranged = udp(service_yaml(
+        "ranged",
+        "  type: LoadBalancer\n  clusterIP: 10.96.0.23\n  loadBalancerSourceRanges: [203.0.113.0/24]\n",
+        53,
+        None,
+        5353,
+        &eps,
+    ))
+    .replacen(
+        "\n---\n",
+        &format!("\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\n"),
+        1,
+    );
+    let open = udp(service_yaml(
+        "open",
+        "  type: NodePort\n  clusterIP: 10.96.0.24\n",
+        53,
+        Some(OPEN),
+        5353,
+        &eps,
+    ));
+    format!("{local_none}---\n{empty}---\n{ranged}---\n{open}")
 }
+
+/// node1's agent with [`services`], pod b on node2.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     fn new() -> Self {
-        let mut cluster = Cluster::new();
-        cluster.add_pod(1, "b");
-        let b = cluster.pod("b");
-        let eps = [Ep::ready(b.ip, &cluster.nodes[1].name)];
-        let udp = |y: String| y.replace("protocol: TCP", "protocol: UDP");
-        let local_none = udp(service_yaml(
-            "local-none",
-            &format!("  type: NodePort\n  clusterIP: {CLUSTER_IP}\n  externalTrafficPolicy: Local\n"),
-            53,
-            Some(LOCAL_NONE),
-            5353,
-            &eps,
-        ));
-        let empty = udp(service_yaml(
-            "empty",
-            "  type: NodePort\n  clusterIP: 10.96.0.22\n",
-            53,
-            Some(EMPTY),
-            5353,
-            &[],
-        ));
-        let ranged = udp(service_yaml(
-            "ranged",
-            "  type: LoadBalancer\n  clusterIP: 10.96.0.23\n  loadBalancerSourceRanges: [203.0.113.0/24]\n",
-            53,
-            None,
-            5353,
-            &eps,
-        ))
-        .replacen(
-            "\n---\n",
-            &format!("\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\n"),
-            1,
+        let s = Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::new())
+                .pods(&[("b", 1)])
+                .manifest("services.yaml", services)
+                .route_from_client("198.19.0.0/24", 0)
+                .route_from_client("10.96.0.0/16", 0)
+                .agents(1, |s, i| s.start_agent(BIN, i, &[])),
         );
-        let open = udp(service_yaml(
-            "open",
-            "  type: NodePort\n  clusterIP: 10.96.0.24\n",
-            53,
-            Some(OPEN),
-            5353,
-            &eps,
-        ));
-        let manifests = ManifestDir::new(cluster.prefix());
-        manifests.write(
-            "services.yaml",
-            &format!("{local_none}---\n{empty}---\n{ranged}---\n{open}"),
-        );
-        cluster.route_from_client("198.19.0.0/24", 0);
-        cluster.route_from_client("10.96.0.0/16", 0);
-        let agent = cluster.start_agent(BIN, 0, &manifests, &[]);
-        let s = Self {
-            agent,
-            _manifests: manifests,
-            cluster,
-        };
         s.wait_programmed();
         s
     }
@@ -120,7 +116,7 @@ impl Sandbox {
             assert!(
                 std::time::Instant::now() < deadline,
                 "not programmed in 20 s: {text}\n{}",
-                self.agent.log_text()
+                self.agents[0].log_text()
             );
             std::thread::sleep(Duration::from_millis(100));
         }
@@ -162,7 +158,7 @@ impl Sandbox {
                 Ok(line) => said.push(line),
                 Err(_) => {
                     let _ = child.kill();
-                    panic!("monitor did not start: {said:?}\n{}", self.agent.log_text());
+                    panic!("monitor did not start: {said:?}\n{}", self.agents[0].log_text());
                 }
             }
         }
@@ -398,7 +394,7 @@ fn a_monitor_keeps_following_across_an_agent_restart() {
     let mut s = Sandbox::new();
     let m = s.monitor(&["--count", "2", "--seconds", "60"]);
     s.send(s.node_port(LOCAL_NONE), 1);
-    s.agent.restart(s.cluster.nodes[0].ns());
+    s.restart_agent(0);
     s.wait_programmed();
     s.send(s.node_port(EMPTY), 1);
     let (lines, said) = m.lines();
@@ -410,7 +406,7 @@ fn a_monitor_keeps_following_across_an_agent_restart() {
         reasons,
         ["drop_no_local_endpoint", "reject_no_endpoints"],
         "{said}\n{}",
-        s.agent.log_text()
+        s.agents[0].log_text()
     );
 }
 
