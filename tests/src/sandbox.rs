@@ -17,7 +17,7 @@
 //!     .agents(2, |s, i| s.start_agent(BIN, i, &[]));
 //! ```
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 
 use serde_json::Value;
 
@@ -115,11 +115,6 @@ impl Sandbox {
 }
 
 impl SandboxBuilder {
-    /// The cluster as built so far.
-    pub fn cluster(&self) -> &Cluster {
-        &self.sandbox.cluster
-    }
-
     /// Adds pods (name, node index), in this order.
     pub fn pods(mut self, pods: &[(&str, usize)]) -> Self {
         for (name, node) in pods {
@@ -128,12 +123,12 @@ impl SandboxBuilder {
         self
     }
 
-    fn serve(mut self, every_address: bool, start: impl Fn(&Pod, SocketAddr) -> EchoServer) -> Self {
+    fn serve(mut self, every_address: bool, start: impl Fn(&Pod, IpAddr) -> EchoServer) -> Self {
         for p in &self.sandbox.cluster.pods {
             let ips =
                 std::iter::once(IpAddr::V4(p.ip)).chain(p.ip6.filter(|_| every_address).map(IpAddr::V6));
             for ip in ips {
-                self.sandbox.servers.push(start(p, SocketAddr::new(ip, 0)));
+                self.sandbox.servers.push(start(p, ip));
             }
         }
         self
@@ -141,23 +136,23 @@ impl SandboxBuilder {
 
     /// A TCP echo server on `port` of every pod's IPv4 address.
     pub fn tcp_echo(self, port: u16) -> Self {
-        self.serve(false, |p, a| EchoServer::tcp(&p.ns, &p.name, (a.ip(), port)))
+        self.serve(false, |p, ip| EchoServer::tcp(&p.ns, &p.name, (ip, port)))
     }
 
     /// A UDP echo server on `port` of every pod's IPv4 address.
     pub fn udp_echo(self, port: u16) -> Self {
-        self.serve(false, |p, a| EchoServer::udp(&p.ns, &p.name, (a.ip(), port)))
+        self.serve(false, |p, ip| EchoServer::udp(&p.ns, &p.name, (ip, port)))
     }
 
     /// A TCP echo server on `port` of every pod's addresses (IPv6 too when
     /// the pod has one).
     pub fn tcp_echo_every_address(self, port: u16) -> Self {
-        self.serve(true, |p, a| EchoServer::tcp(&p.ns, &p.name, (a.ip(), port)))
+        self.serve(true, |p, ip| EchoServer::tcp(&p.ns, &p.name, (ip, port)))
     }
 
     /// A UDP echo server on `port` of every pod's addresses.
     pub fn udp_echo_every_address(self, port: u16) -> Self {
-        self.serve(true, |p, a| EchoServer::udp(&p.ns, &p.name, (a.ip(), port)))
+        self.serve(true, |p, ip| EchoServer::udp(&p.ns, &p.name, (ip, port)))
     }
 
     /// Writes manifest `name` with what `yaml` makes of the cluster; the
