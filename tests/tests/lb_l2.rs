@@ -195,16 +195,14 @@ impl Sandbox {
     /// `node` (eTP=Cluster: masqueraded to its address); how long it took.
     fn until_served_through(&self, node: usize, since: Instant) -> Duration {
         let through = self.node_ip(node);
-        let deadline = since + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok((_, peer)) = self.request(Duration::from_millis(200))
-                && peer == through
-            {
-                return since.elapsed();
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("not served through node{} within 15 s\n{}", node + 1, self.logs());
+        dataplane_tests::poll_until(
+            Duration::from_secs(15).saturating_sub(since.elapsed()),
+            Duration::from_millis(50),
+            &format!("served through node{}", node + 1),
+            || matches!(self.request(Duration::from_millis(200)), Ok((_, peer)) if peer == through),
+            || self.logs(),
+        );
+        since.elapsed()
     }
 }
 

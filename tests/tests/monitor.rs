@@ -103,23 +103,26 @@ impl Sandbox {
             self.node_port(OPEN).to_string(),
             format!("{LB_IP}:53"),
         ];
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        loop {
+        let inspect = || {
             let out = std::process::Command::new(BIN)
                 .args(["inspect", "--bpffs-dir", &self.pins(), "-o", "json", "services"])
                 .output()
                 .expect("run inspect");
-            let text = String::from_utf8_lossy(&out.stdout);
-            if out.status.success() && wanted.iter().all(|w| text.contains(&format!("\"{w}/UDP\""))) {
-                return;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "not programmed in 20 s: {text}\n{}",
-                self.agents[0].log_text()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+            )
+        };
+        dataplane_tests::poll_until(
+            Duration::from_secs(20),
+            Duration::from_millis(100),
+            "the agent programs the Services",
+            || {
+                let (ok, text) = inspect();
+                ok && wanted.iter().all(|w| text.contains(&format!("\"{w}/UDP\"")))
+            },
+            || format!("{}\n{}", inspect().1, self.agents[0].log_text()),
+        );
     }
 
     fn pins(&self) -> String {
@@ -514,15 +517,17 @@ fn trace_events_show_translated_packets_before_and_after() {
         map.get(&0, 0).unwrap()
     };
     assert_eq!(ctl().sample, 1, "the killed reader's request is still there");
-    let deadline = std::time::Instant::now()
-        + Duration::from_nanos(dataplane_common::monitor::LEASE_NS)
-        + Duration::from_secs(10);
-    while ctl().sample != 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the kernel kept sampling for a reader long gone"
-        );
-        s.send(frontend, 1);
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    // A packet every 100 ms until the kernel, the lease run out, stops.
+    dataplane_tests::poll_until(
+        Duration::from_nanos(dataplane_common::monitor::LEASE_NS) + Duration::from_secs(10),
+        Duration::from_millis(100),
+        "the kernel stops sampling for a reader long gone",
+        || {
+            ctl().sample == 0 || {
+                s.send(frontend, 1);
+                false
+            }
+        },
+        || format!("sample {}", ctl().sample),
+    );
 }
