@@ -269,7 +269,7 @@ fn kill_9_under_traffic_loses_no_connection() {
             }
         })
     };
-    std::thread::sleep(Duration::from_millis(500));
+    s.eventually("new connections flow", || ok.load(Ordering::Relaxed) > 0);
     s.agents[0].kill9();
     let down_at = ok.load(Ordering::Relaxed);
     for i in 0..10 {
