@@ -21,6 +21,7 @@ pub mod load;
 pub mod netns;
 pub mod packet;
 pub mod plan;
+pub mod sandbox;
 pub mod sctp;
 pub mod services;
 pub mod testrun;

@@ -14,9 +14,9 @@ use std::{
 };
 
 use dataplane_tests::{
-    agent::{AgentProcess, HEALTH_PORT, METRICS_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
+    agent::{AgentProcess, HEALTH_PORT, METRICS_PORT, ManifestEndpoint as Ep, service_yaml},
     cluster::Cluster,
-    echo::{EchoServer, TcpClient, tcp_request},
+    echo::{TcpClient, tcp_request},
     load::{self, LineServer},
 };
 
@@ -24,12 +24,10 @@ const BIN: &str = env!("CARGO_BIN_EXE_agent");
 const NODE_PORT: u16 = 30080;
 const TARGET: u16 = 8080;
 
-struct Sandbox {
-    agents: Vec<AgentProcess>,
-    _servers: Vec<EchoServer>,
-    manifests: ManifestDir,
-    cluster: Cluster,
-}
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     /// Pods a (node1), b (node2), c (node2) serving TCP on 8080; `yaml` is the
@@ -40,26 +38,13 @@ impl Sandbox {
 
     /// As [`Sandbox::new`], with extra `run` flags for every agent.
     fn with_args(yaml: impl Fn(&Cluster) -> String, extra: &[&str]) -> Self {
-        let mut cluster = Cluster::new();
-        for (name, node) in [("a", 0), ("b", 1), ("c", 1)] {
-            cluster.add_pod(node, name);
-        }
-        let servers = cluster
-            .pods
-            .iter()
-            .map(|p| EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TARGET)))
-            .collect();
-        let manifests = ManifestDir::new(cluster.prefix());
-        manifests.write("web.yaml", &yaml(&cluster));
-        let agents = (0..2)
-            .map(|i| cluster.start_agent(BIN, i, &manifests, extra))
-            .collect();
-        Self {
-            agents,
-            _servers: servers,
-            manifests,
-            cluster,
-        }
+        Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::new())
+                .pods(&[("a", 0), ("b", 1), ("c", 1)])
+                .tcp_echo(TARGET)
+                .manifest("web.yaml", yaml)
+                .agents(2, |s, i| s.start_agent(BIN, i, extra)),
+        )
     }
 
     fn ep(&self, pod: &str) -> Ep {
@@ -105,14 +90,6 @@ impl Sandbox {
             })
             .map_or(0, |v| v as u64)
     }
-
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .map(|a| a.log_text())
-            .collect::<Vec<_>>()
-            .join("\n---\n")
-    }
 }
 
 fn node_port_service(s: &Cluster, spec: &str, pods: &[&str]) -> String {
@@ -140,14 +117,14 @@ fn traffic_follows_service_edits() {
     assert_eq!(s.servers_seen(dst, 30), BTreeSet::from(["a".into(), "b".into()]));
 
     // Scale up: c joins.
-    s.manifests
+    s.manifests()
         .write("web.yaml", &node_port_service(&s.cluster, "", &["a", "b", "c"]));
     s.eventually("c serves after scale-up", || {
         s.servers_seen(dst, 20).contains("c")
     });
 
     // Scale down to a.
-    s.manifests
+    s.manifests()
         .write("web.yaml", &node_port_service(&s.cluster, "", &["a"]));
     s.eventually("only a serves after scale-down", || {
         s.servers_seen(dst, 10) == BTreeSet::from(["a".into()])
@@ -162,14 +139,14 @@ fn traffic_follows_service_edits() {
         TARGET,
         &[s.ep("a").terminating(), s.ep("b")],
     );
-    s.manifests.write("web.yaml", &yaml);
+    s.manifests().write("web.yaml", &yaml);
     s.eventually("the terminating endpoint gets no new flows", || {
         s.servers_seen(dst, 10) == BTreeSet::from(["b".into()])
     });
 
     // eTP flipped to Local: node1 serves its local a... a is terminating, so
     // the local set falls back to it; the client address is kept.
-    s.manifests.write(
+    s.manifests().write(
         "web.yaml",
         &node_port_service(&s.cluster, "  externalTrafficPolicy: Local\n", &["a", "b"]),
     );
@@ -192,7 +169,7 @@ fn traffic_follows_service_edits() {
 
     // Service deleted: the NodePort is no longer translated (the node itself
     // has no listener there: refused by its stack).
-    s.manifests.remove("web.yaml");
+    s.manifests().remove("web.yaml");
     s.eventually("the deleted Service is gone", || {
         TcpClient::connect(&s.cluster.client.ns, dst).is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused)
     });
@@ -263,7 +240,7 @@ fn health_check_node_ports_answer_like_kube_proxy() {
     );
 
     // The Service goes: its health server closes.
-    s.manifests.remove("web.yaml");
+    s.manifests().remove("web.yaml");
     s.eventually("the health server closes with its Service", || {
         AgentProcess::http_get(n.ns(), SocketAddrV4::new(n.ip(), 32000), "/").is_err()
     });
@@ -292,7 +269,7 @@ fn kill_9_under_traffic_loses_no_connection() {
             }
         })
     };
-    std::thread::sleep(Duration::from_millis(500));
+    s.eventually("new connections flow", || ok.load(Ordering::Relaxed) > 0);
     s.agents[0].kill9();
     let down_at = ok.load(Ordering::Relaxed);
     for i in 0..10 {
@@ -638,7 +615,7 @@ fn new_connections_survive_endpoint_churn() {
     let mut round = 0;
     while !churn.is_finished() {
         round += 1;
-        s.manifests.write("web.yaml", &manifest(&s.cluster, round));
+        s.manifests().write("web.yaml", &manifest(&s.cluster, round));
         std::thread::sleep(Duration::from_millis(50));
     }
     let report = churn.join().unwrap();
@@ -894,7 +871,7 @@ fn endpoint_churn_under_traffic_fails_no_connection_and_keeps_established_flows(
             2 => Some(false),
             _ => Some(true),
         };
-        s.manifests.write("web.yaml", &yaml(&s.cluster, b));
+        s.manifests().write("web.yaml", &yaml(&s.cluster, b));
         let deadline = Instant::now() + Duration::from_secs(5);
         while s.metric(0, CHANGES_METRIC) < before + i + 1 {
             assert!(

@@ -17,7 +17,7 @@ use dataplane_tests::{
     agent::{AgentProcess, HEALTH_PORT, METRICS_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
     cgroup::{CgroupDir, MountPoint, at_system_mount, cgroup2_root, mount_cgroup2_command},
     cluster::{Cluster, EXTERNAL_DEVICE, POD_BRIDGE, PodLayout, Wiring},
-    echo::{EchoServer, TcpClient, sockclient, tcp_request},
+    echo::{TcpClient, sockclient, tcp_request},
     services::EXTERNAL_VIP_RANGE,
 };
 
@@ -104,12 +104,10 @@ fn manifests(c: &Cluster) -> String {
     .join("---\n")
 }
 
-struct Sandbox {
-    agents: Vec<AgentProcess>,
-    _servers: Vec<EchoServer>,
-    _manifests: ManifestDir,
-    cluster: Cluster,
-}
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     /// Pods "client" and "a" on node1, "b" on node2, echo servers on all
@@ -131,33 +129,14 @@ impl Sandbox {
         agents: usize,
         start: impl Fn(&Cluster, usize, &ManifestDir) -> AgentProcess,
     ) -> Self {
-        let mut cluster = Cluster::with_layout(Wiring::VethNode, layout);
-        for (name, node) in [("client", 0), ("a", 0), ("b", 1)] {
-            cluster.add_pod(node, name);
-        }
-        let servers = cluster
-            .pods
-            .iter()
-            .map(|p| EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TARGET)))
-            .collect();
-        let dir = ManifestDir::new(cluster.prefix());
-        dir.write("services.yaml", &manifests(&cluster));
-        cluster.route_from_client(EXTERNAL_VIP_RANGE, 0);
-        let agents = (0..agents).map(|i| start(&cluster, i, &dir)).collect();
-        Self {
-            agents,
-            _servers: servers,
-            _manifests: dir,
-            cluster,
-        }
-    }
-
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .map(|a| a.log_text())
-            .collect::<Vec<_>>()
-            .join("\n---\n")
+        Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::with_layout(Wiring::VethNode, layout))
+                .pods(&[("client", 0), ("a", 0), ("b", 1)])
+                .tcp_echo(TARGET)
+                .manifest("services.yaml", manifests)
+                .route_from_client(EXTERNAL_VIP_RANGE, 0)
+                .agents(agents, |s, i| start(&s.cluster, i, s.manifests())),
+        )
     }
 
     fn ip(&self, pod: &str) -> Ipv4Addr {

@@ -24,56 +24,39 @@ use dataplane_agent::{
 };
 use dataplane_common::names;
 use dataplane_tests::{
-    agent::{AgentProcess, ManifestDir, ManifestEndpoint as Ep, service_yaml},
+    agent::{ManifestEndpoint as Ep, service_yaml},
     cluster::Cluster,
-    echo::{EchoServer, TcpClient, tcp_request},
+    echo::{TcpClient, tcp_request},
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_agent");
 const NODE_PORT: u16 = 30080;
 
-struct Sandbox {
-    agent: AgentProcess,
-    _servers: Vec<EchoServer>,
-    _manifests: ManifestDir,
-    cluster: Cluster,
-}
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 /// Pods a and b on node1 behind a NodePort, an agent on node1.
 fn sandbox(extra: &[&str]) -> Sandbox {
-    let mut cluster = Cluster::new();
-    for name in ["a", "b"] {
-        cluster.add_pod(0, name);
-    }
-    let servers = cluster
-        .pods
-        .iter()
-        .map(|p| EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, 8080)))
-        .collect();
-    let eps: Vec<Ep> = cluster
-        .pods
-        .iter()
-        .map(|p| Ep::ready(p.ip, &cluster.nodes[0].name))
-        .collect();
-    let manifests = ManifestDir::new(cluster.prefix());
-    manifests.write(
-        "web.yaml",
-        &service_yaml(
+    let web = |c: &Cluster| {
+        let eps: Vec<Ep> = c.pods.iter().map(|p| Ep::ready(p.ip, &c.nodes[0].name)).collect();
+        service_yaml(
             "web",
             "  type: NodePort\n  clusterIP: 10.96.0.10\n",
             80,
             Some(NODE_PORT),
             8080,
             &eps,
-        ),
-    );
-    let agent = cluster.start_agent(BIN, 0, &manifests, extra);
-    Sandbox {
-        agent,
-        _servers: servers,
-        _manifests: manifests,
-        cluster,
-    }
+        )
+    };
+    Sandbox(
+        dataplane_tests::sandbox::Sandbox::builder(Cluster::new())
+            .pods(&[("a", 0), ("b", 0)])
+            .tcp_echo(8080)
+            .manifest("web.yaml", web)
+            .agents(1, |s, i| s.start_agent(BIN, i, extra)),
+    )
 }
 
 impl Sandbox {
@@ -87,11 +70,11 @@ impl Sandbox {
 
     fn run(&self, args: &[&str]) -> std::process::Output {
         let args: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        self.agent.run_in_node(&args, Duration::from_secs(20))
+        self.agents[0].run_in_node(&args, Duration::from_secs(20))
     }
 
     fn pins(&self) -> String {
-        self.agent.pin_dir.display().to_string()
+        self.agents[0].pin_dir.display().to_string()
     }
 }
 
@@ -105,7 +88,7 @@ fn one_agent_per_pin_directory_and_cleanup_refuses_a_running_one() {
     assert!(s.served());
 
     // A second agent on the same pins stops at once, saying who holds them.
-    let second = s.agent.run_in_node(&s.agent.run_args(), Duration::from_secs(20));
+    let second = s.agents[0].run_in_node(&s.agents[0].run_args(), Duration::from_secs(20));
     assert!(!second.status.success(), "the second agent must not run");
     let why = stderr(&second);
     assert!(
@@ -119,12 +102,12 @@ fn one_agent_per_pin_directory_and_cleanup_refuses_a_running_one() {
     assert!(!cleanup.status.success());
     assert!(stderr(&cleanup).contains("--force"), "{}", stderr(&cleanup));
     assert!(s.served());
-    assert!(s.agent.pin_dir.join("maps").exists());
+    assert!(s.agents[0].pin_dir.join("maps").exists());
 
     // Pointed at the bpffs directory holding the pins (not a pin directory
     // itself), cleanup removes nothing, even with --force: other agents' and
     // other tools' pins live there.
-    let parent = s.agent.pin_dir.parent().unwrap().to_str().unwrap().to_owned();
+    let parent = s.agents[0].pin_dir.parent().unwrap().to_str().unwrap().to_owned();
     let wrong = s.run(&["cleanup", "--bpffs-dir", &parent, "--force"]);
     assert!(!wrong.status.success(), "cleanup of {parent} must refuse");
     assert!(
@@ -132,30 +115,34 @@ fn one_agent_per_pin_directory_and_cleanup_refuses_a_running_one() {
         "{}",
         stderr(&wrong)
     );
-    assert!(s.agent.pin_dir.join("maps").exists());
+    assert!(s.agents[0].pin_dir.join("maps").exists());
     assert!(s.served());
 
     // --force removes the pins, and only them; the agent notices within a
     // second and exits (a restart pins and attaches again).
-    let foreign = s.agent.pin_dir.join("foreign");
+    let foreign = s.agents[0].pin_dir.join("foreign");
     std::fs::create_dir(&foreign).unwrap();
     let forced = s.run(&["cleanup", "--bpffs-dir", &s.pins(), "--force"]);
     assert!(forced.status.success(), "{}", stderr(&forced));
-    assert!(!s.agent.pin_dir.join("maps").exists() && !s.agent.pin_dir.join("links").exists());
+    assert!(!s.agents[0].pin_dir.join("maps").exists() && !s.agents[0].pin_dir.join("links").exists());
     assert!(foreign.is_dir(), "what is not the agent's stays");
     std::fs::remove_dir(&foreign).unwrap();
-    let status = s
-        .agent
-        .wait_exit(Duration::from_secs(15))
-        .unwrap_or_else(|| panic!("the agent kept running without its pins:\n{}", s.agent.log_text()));
+    let status = s.agents[0].wait_exit(Duration::from_secs(15)).unwrap_or_else(|| {
+        panic!(
+            "the agent kept running without its pins:\n{}",
+            s.agents[0].log_text()
+        )
+    });
     assert!(!status.success());
     assert!(
-        s.agent.log_text().contains("was removed under the running agent"),
+        s.agents[0]
+            .log_text()
+            .contains("was removed under the running agent"),
         "{}",
-        s.agent.log_text()
+        s.agents[0].log_text()
     );
     let ns = s.cluster.nodes[0].ns().name().to_owned();
-    s.agent.restart(&dataplane_tests::netns::NetNs::adopt(&ns));
+    s.agents[0].restart(&dataplane_tests::netns::NetNs::adopt(&ns));
     assert!(s.served(), "served again after the restart");
 }
 
@@ -165,11 +152,11 @@ fn one_agent_per_pin_directory_and_cleanup_refuses_a_running_one() {
 #[test]
 fn a_start_failing_on_a_port_in_use_attaches_nothing() {
     let s = sandbox(&[]);
-    let other_pins = s.agent.pin_dir.with_file_name("second-agent");
-    let mut args = s.agent.run_args();
+    let other_pins = s.agents[0].pin_dir.with_file_name("second-agent");
+    let mut args = s.agents[0].run_args();
     let at = args.iter().position(|a| a == "--bpffs-dir").unwrap() + 1;
     args[at] = other_pins.display().to_string();
-    let second = s.agent.run_in_node(&args, Duration::from_secs(20));
+    let second = s.agents[0].run_in_node(&args, Duration::from_secs(20));
     assert!(!second.status.success(), "the second agent must not run");
     let why = stderr(&second);
     assert!(why.contains("binding the health server"), "{why}");
@@ -197,12 +184,12 @@ fn a_restart_with_other_limits_resizes_the_pinned_maps_and_keeps_connections() {
 
     // Larger limits: every sized map is resized; the table and the flows
     // move along.
-    s.agent.set_flag("--max-services", "512");
-    s.agent.set_flag("--max-backends", "2048");
-    s.agent.set_flag("--conntrack-entries", "32768");
+    s.agents[0].set_flag("--max-services", "512");
+    s.agents[0].set_flag("--max-backends", "2048");
+    s.agents[0].set_flag("--conntrack-entries", "32768");
     let ns = s.cluster.nodes[0].ns().name().to_owned();
-    s.agent.restart(&dataplane_tests::netns::NetNs::adopt(&ns));
-    let log = s.agent.log_text();
+    s.agents[0].restart(&dataplane_tests::netns::NetNs::adopt(&ns));
+    let log = s.agents[0].log_text();
     for map in [
         names::LB4_BACKENDS,
         names::SERVICE_STATS,
@@ -237,11 +224,11 @@ fn a_restart_with_other_limits_resizes_the_pinned_maps_and_keeps_connections() {
 
     // Too small for what the maps hold: refused, saying what would fit;
     // nothing changes.
-    s.agent.kill9();
-    let mut args = s.agent.run_args();
+    s.agents[0].kill9();
+    let mut args = s.agents[0].run_args();
     let at = args.iter().position(|a| a == "--max-backends").unwrap();
     args[at + 1] = "2".into();
-    let refused = s.agent.run_in_node(&args, Duration::from_secs(20));
+    let refused = s.agents[0].run_in_node(&args, Duration::from_secs(20));
     assert!(!refused.status.success());
     let why = stderr(&refused);
     assert!(
@@ -250,17 +237,17 @@ fn a_restart_with_other_limits_resizes_the_pinned_maps_and_keeps_connections() {
     );
     assert!(s.served(), "the datapath keeps forwarding");
     // Conntrack too: a smaller copy would drop established flows.
-    let mut args = s.agent.run_args();
+    let mut args = s.agents[0].run_args();
     let at = args.iter().position(|a| a == "--conntrack-entries").unwrap();
     args[at + 1] = "2".into();
-    let refused = s.agent.run_in_node(&args, Duration::from_secs(20));
+    let refused = s.agents[0].run_in_node(&args, Duration::from_secs(20));
     assert!(!refused.status.success());
     let why = stderr(&refused);
     assert!(
         why.contains("--conntrack-entries 2 is too small") && why.contains("tracked flow entries"),
         "{why}"
     );
-    s.agent.restart(&dataplane_tests::netns::NetNs::adopt(&ns));
+    s.agents[0].restart(&dataplane_tests::netns::NetNs::adopt(&ns));
     assert_eq!(long.request("again").unwrap().server, backend);
 }
 
@@ -268,10 +255,10 @@ fn a_restart_with_other_limits_resizes_the_pinned_maps_and_keeps_connections() {
 fn inspect_reads_pins_of_another_version_and_says_what_it_cannot() {
     let mut s = sandbox(&[]);
     assert!(s.served());
-    s.agent.kill9();
+    s.agents[0].kill9();
     // As an older agent would have left them: no conntrack map of this
     // version, and the service-names map with another layout.
-    let maps = s.agent.pin_dir.join("maps");
+    let maps = s.agents[0].pin_dir.join("maps");
     std::fs::remove_file(maps.join(names::CT4)).unwrap();
     std::fs::remove_file(maps.join(names::LB4_SERVICE_NAMES)).unwrap();
     let odd = aya::maps::HashMap::<aya::maps::MapData, u64, u64>::create(8, 0).unwrap();

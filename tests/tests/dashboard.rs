@@ -15,7 +15,7 @@ use std::{
     collections::{BTreeMap, BTreeSet},
     net::SocketAddrV4,
     path::{Path, PathBuf},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use dataplane_common::stats::{Event, FlowStat, Hook};
@@ -584,25 +584,29 @@ fn scrape_after_traffic() -> (String, String) {
             .unwrap_or_else(|e| panic!("request {i} to {dst}: {e}\n{}", agent.log_text()));
     }
     // The datapath's counters are read at most once a second, at a scrape.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
+    let metrics = || {
         let (status, body) =
             AgentProcess::http_get(node.ns(), SocketAddrV4::new(node.ip(), METRICS_PORT), "/metrics")
                 .unwrap_or_else(|e| panic!("/metrics: {e}"));
         assert_eq!(status, 200, "{body}");
-        if body
-            .lines()
-            .any(|l| l.starts_with("dataplane_service_packets_total{"))
-        {
-            return (body, agent.log_text());
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no per-Service counter 10 s after the traffic:\n{body}\n{}",
-            agent.log_text()
-        );
-        std::thread::sleep(Duration::from_millis(250));
-    }
+        body
+    };
+    let last = std::cell::RefCell::new(String::new());
+    dataplane_tests::poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(250),
+        "a per-Service counter after the traffic",
+        || {
+            let body = metrics();
+            let counted = body
+                .lines()
+                .any(|l| l.starts_with("dataplane_service_packets_total{"));
+            *last.borrow_mut() = body;
+            counted
+        },
+        || format!("{}\n{}", last.borrow(), agent.log_text()),
+    );
+    (last.into_inner(), agent.log_text())
 }
 
 #[test]

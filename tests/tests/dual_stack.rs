@@ -16,9 +16,9 @@ use std::{
 };
 
 use dataplane_tests::{
-    agent::{AgentProcess, ManifestDir},
-    cluster::{Cluster, PodLayout, Wiring},
-    echo::{EchoServer, sockclient, tcp_request, udp_request},
+    agent::AgentProcess,
+    cluster::{Cluster, NODE_IPS, NODE_IPS6, PodLayout, Wiring},
+    echo::{sockclient, tcp_request, udp_request},
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_agent");
@@ -137,57 +137,32 @@ fn manifests(c: &Cluster) -> String {
     .join("---\n")
 }
 
-struct Sandbox {
-    agents: Vec<AgentProcess>,
-    _servers: Vec<EchoServer>,
-    _manifests: ManifestDir,
-    cluster: Cluster,
-}
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     /// Pods "client" and "a" on node1, "b" on node2, TCP and UDP echo
     /// servers on each pod's IPv4 and IPv6 address, an agent per node.
     fn new() -> Self {
-        let mut cluster = Cluster::dual_stack(Wiring::Wire, PodLayout::Routed);
-        for (name, node) in [("client", 0), ("a", 0), ("b", 1)] {
-            cluster.add_pod(node, name);
-        }
-        let mut servers = Vec::new();
-        for p in &cluster.pods {
-            for ip in [IpAddr::V4(p.ip), IpAddr::V6(p.ip6.unwrap())] {
-                servers.push(EchoServer::tcp(&p.ns, &p.name, (ip, TARGET)));
-                servers.push(EchoServer::udp(&p.ns, &p.name, (ip, TARGET)));
-            }
-        }
-        let dir = ManifestDir::new(cluster.prefix());
-        dir.write("services.yaml", &manifests(&cluster));
-        cluster.route_from_client("198.19.0.0/24", 0);
-        cluster.route_from_client("2001:db8:19::/64", 0);
-        let agents = (0..2)
-            .map(|i| {
-                let cgroup = cluster.nodes[i].cgroup.path();
-                cluster.start_agent(
-                    BIN,
-                    i,
-                    &dir,
-                    &["--cgroup-path", cgroup.to_str().unwrap(), "--localhost-nodeports"],
-                )
-            })
-            .collect();
-        Self {
-            agents,
-            _servers: servers,
-            _manifests: dir,
-            cluster,
-        }
-    }
-
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .map(|a| a.log_text())
-            .collect::<Vec<_>>()
-            .join("\n---\n")
+        Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::dual_stack(Wiring::Wire, PodLayout::Routed))
+                .pods(&[("client", 0), ("a", 0), ("b", 1)])
+                .tcp_echo_every_address(TARGET)
+                .udp_echo_every_address(TARGET)
+                .manifest("services.yaml", manifests)
+                .route_from_client("198.19.0.0/24", 0)
+                .route_from_client("2001:db8:19::/64", 0)
+                .agents(2, |s, i| {
+                    let cgroup = s.cluster.nodes[i].cgroup.path();
+                    s.start_agent(
+                        BIN,
+                        i,
+                        &["--cgroup-path", cgroup.to_str().unwrap(), "--localhost-nodeports"],
+                    )
+                }),
+        )
     }
 
     /// (server, source address it saw) of `n` TCP requests from `pod` (or
@@ -370,45 +345,42 @@ fn dual_stack_services_serve_both_families_end_to_end() {
     }
 }
 
+/// Pod "a" on node1 serving TCP on both its addresses, the dual-stack
+/// NodePort `web` to it, an agent on node1 with `args`.
+fn one_pod(args: &[&str]) -> dataplane_tests::sandbox::Sandbox {
+    dataplane_tests::sandbox::Sandbox::builder(Cluster::dual_stack(Wiring::Wire, PodLayout::Routed))
+        .pods(&[("a", 0)])
+        .tcp_echo_every_address(TARGET)
+        .manifest("services.yaml", |c| {
+            let a = c.pod("a");
+            service(
+                "web",
+                "  type: NodePort\n",
+                &[("IPv4", WEB4.into()), ("IPv6", WEB6.into())],
+                "TCP",
+                Some(WEB_NODE_PORT),
+                &[("node1", a.ip.into()), ("node1", IpAddr::V6(a.ip6.unwrap()))],
+            )
+        })
+        .agents(1, |s, i| s.start_agent(BIN, i, args))
+}
+
 /// An IPv6-only node (`--node-ip` of IPv6 only): IPv6 Service ports are
 /// served, the IPv4 ones are not programmed at all (kube-proxy runs no
 /// IPv4 proxier there), and the agent is healthy.
 #[test]
 fn an_ipv6_only_node_serves_ipv6_and_leaves_ipv4_alone() {
-    let mut cluster = Cluster::dual_stack(Wiring::Wire, PodLayout::Routed);
-    cluster.add_pod(0, "a");
-    let a = cluster.pod("a");
-    let servers = [
-        EchoServer::tcp(&a.ns, "a", (a.ip6.unwrap(), TARGET)),
-        EchoServer::tcp(&a.ns, "a", (a.ip, TARGET)),
-    ];
-    let dir = ManifestDir::new(cluster.prefix());
+    let node6 = NODE_IPS6[0].to_string();
+    let s = one_pod(&[
+        "--node-ip",
+        &node6,
+        "--cluster-cidr",
+        "fd00:10:244::/56",
+        "--service-cidr",
+        "fd00:10:96::/112",
+    ]);
+    let (cluster, agent) = (&s.cluster, &s.agents[0]);
     let node6 = cluster.nodes[0].ip6();
-    let a6 = IpAddr::V6(a.ip6.unwrap());
-    dir.write(
-        "services.yaml",
-        &service(
-            "web",
-            "  type: NodePort\n",
-            &[("IPv4", WEB4.into()), ("IPv6", WEB6.into())],
-            "TCP",
-            Some(WEB_NODE_PORT),
-            &[("node1", a.ip.into()), ("node1", a6)],
-        ),
-    );
-    let agent = cluster.start_agent(
-        BIN,
-        0,
-        &dir,
-        &[
-            "--node-ip",
-            &node6.to_string(),
-            "--cluster-cidr",
-            "fd00:10:244::/56",
-            "--service-cidr",
-            "fd00:10:96::/112",
-        ],
-    );
     let r = tcp_request(&cluster.client.ns, (node6, WEB_NODE_PORT), "x")
         .unwrap_or_else(|e| panic!("IPv6 NodePort on an IPv6-only node: {e}\n{}", agent.log_text()));
     assert_eq!((r.server.as_str(), r.peer.ip()), ("a", IpAddr::V6(node6)));
@@ -431,7 +403,6 @@ fn an_ipv6_only_node_serves_ipv6_and_leaves_ipv4_alone() {
         "only IPv6 frontends on an IPv6-only node: {frontends:?}"
     );
     assert!(frontends.contains(&format!("[{WEB6}]:80/TCP")), "{frontends:?}");
-    drop(servers);
 }
 
 /// A node that gains an IPv6 address: its agent, restarted with both
@@ -439,62 +410,36 @@ fn an_ipv6_only_node_serves_ipv6_and_leaves_ipv4_alone() {
 /// grows the IPv6 maps and serves IPv6, with IPv4 flows kept throughout.
 #[test]
 fn a_node_that_gains_an_ipv6_address_grows_its_ipv6_maps_on_restart() {
-    let mut cluster = Cluster::dual_stack(Wiring::Wire, PodLayout::Routed);
-    cluster.add_pod(0, "a");
-    let a = cluster.pod("a");
-    let a6 = IpAddr::V6(a.ip6.unwrap());
-    let _servers = [
-        EchoServer::tcp(&a.ns, "a", (a6, TARGET)),
-        EchoServer::tcp(&a.ns, "a", (a.ip, TARGET)),
-    ];
-    let dir = ManifestDir::new(cluster.prefix());
-    dir.write(
-        "services.yaml",
-        &service(
-            "web",
-            "  type: NodePort\n",
-            &[("IPv4", WEB4.into()), ("IPv6", WEB6.into())],
-            "TCP",
-            Some(WEB_NODE_PORT),
-            &[("node1", a.ip.into()), ("node1", a6)],
-        ),
-    );
-    let node = &cluster.nodes[0];
-    let v4_only = [
+    let mut s = one_pod(&[
         "--node-ip",
-        &node.ip().to_string(),
+        &NODE_IPS[0].to_string(),
         "--cluster-cidr",
         "10.244.0.0/16",
         "--service-cidr",
         "10.96.0.0/16",
-    ]
-    .map(str::to_owned);
-    let mut agent = cluster.start_agent(
-        BIN,
-        0,
-        &dir,
-        &v4_only.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
-    let mut long = dataplane_tests::echo::TcpClient::connect(&cluster.client.ns, (node.ip(), WEB_NODE_PORT))
-        .expect("IPv4 NodePort");
+    ]);
+    let (ip, ip6) = (s.cluster.nodes[0].ip(), s.cluster.nodes[0].ip6());
+    let client = &s.cluster.client.ns;
+    let mut long =
+        dataplane_tests::echo::TcpClient::connect(client, (ip, WEB_NODE_PORT)).expect("IPv4 NodePort");
     assert_eq!(long.request("v4").unwrap().server, "a");
     assert!(
-        tcp_request(&cluster.client.ns, (node.ip6(), WEB_NODE_PORT), "x").is_err(),
+        tcp_request(client, (ip6, WEB_NODE_PORT), "x").is_err(),
         "no IPv6 NodePort on an IPv4-only node"
     );
-    agent.set_flag("--node-ip", &format!("{},{}", node.ip(), node.ip6()));
-    agent.set_flag("--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56");
-    agent.set_flag("--service-cidr", "10.96.0.0/16,fd00:10:96::/112");
-    agent.restart(node.ns());
-    let r = tcp_request(&cluster.client.ns, (node.ip6(), WEB_NODE_PORT), "x")
-        .unwrap_or_else(|e| panic!("IPv6 NodePort after the restart: {e}\n{}", agent.log_text()));
-    assert_eq!((r.server.as_str(), r.peer.ip()), ("a", IpAddr::V6(node.ip6())));
+    s.agents[0].set_flag("--node-ip", &format!("{},{}", ip, ip6));
+    s.agents[0].set_flag("--cluster-cidr", "10.244.0.0/16,fd00:10:244::/56");
+    s.agents[0].set_flag("--service-cidr", "10.96.0.0/16,fd00:10:96::/112");
+    s.agents[0].restart(s.cluster.nodes[0].ns());
+    let r = tcp_request(client, (ip6, WEB_NODE_PORT), "x")
+        .unwrap_or_else(|e| panic!("IPv6 NodePort after the restart: {e}\n{}", s.agents[0].log_text()));
+    assert_eq!((r.server.as_str(), r.peer.ip()), ("a", IpAddr::V6(ip6)));
     assert_eq!(
         long.request("after").unwrap().server,
         "a",
         "the IPv4 connection lived through the restart"
     );
-    let log = agent.log_text();
+    let log = s.agents[0].log_text();
     for map in ["LB6_SERVICES_V1", "LB6_BACKENDS_V1", "CT6_V1"] {
         assert!(
             log.lines()

@@ -14,7 +14,7 @@ use dataplane_common::stats::Event;
 use dataplane_tests::{
     cluster::Cluster,
     echo::{EchoServer, TcpClient, UdpClient, sockclient, tcp_request},
-    services::{NodeDatapath, TestEndpoint, TestService},
+    services::{TestEndpoint, TestService},
 };
 
 const SOCKCLIENT: &str = env!("CARGO_BIN_EXE_sockclient");
@@ -25,29 +25,22 @@ const LB_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 10);
 
 /// Pods: "client" and "a" on node1, "b" and "c" on node2; TCP and UDP echo
 /// servers on a, b, c (and on client, for hairpin).
-struct Sandbox {
-    nodes: Vec<NodeDatapath>,
-    _servers: Vec<EchoServer>,
-    cluster: Cluster,
-}
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
+    /// Pods "client" and "a" on node1, "b" and "c" on node2 with TCP and
+    /// UDP echo servers, the datapath on both nodes.
     fn new() -> Self {
-        let mut cluster = Cluster::new();
-        for (name, node) in [("client", 0), ("a", 0), ("b", 1), ("c", 1)] {
-            cluster.add_pod(node, name);
-        }
-        let mut servers = Vec::new();
-        for p in &cluster.pods {
-            servers.push(EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TCP_PORT)));
-            servers.push(EchoServer::udp(&p.ns, &p.name, SocketAddrV4::new(p.ip, UDP_PORT)));
-        }
-        let nodes = (0..2).map(|i| cluster.start_datapath(i)).collect();
-        Self {
-            nodes,
-            _servers: servers,
-            cluster,
-        }
+        Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::new())
+                .pods(&[("client", 0), ("a", 0), ("b", 1), ("c", 1)])
+                .tcp_echo(TCP_PORT)
+                .udp_echo(UDP_PORT)
+                .datapaths(|c, i| c.start_datapath(i)),
+        )
     }
 
     fn ep(&self, pod: &str, port: u16) -> TestEndpoint {
@@ -63,7 +56,7 @@ impl Sandbox {
     }
 
     fn program(&mut self, services: &[&TestService]) {
-        for n in &mut self.nodes {
+        for n in &mut self.datapaths {
             n.program(services);
         }
     }
@@ -89,7 +82,7 @@ impl Sandbox {
     /// Packets node `node`'s egress passed on the ingress hook's word,
     /// without a conntrack lookup.
     fn passed_by_ingress(&self, node: usize) -> u64 {
-        self.nodes[node]
+        self.datapaths[node]
             .datapath
             .maps()
             .counter(Event::PassByIngress)
@@ -99,7 +92,7 @@ impl Sandbox {
 
     fn report(&self) -> String {
         let mut out = String::new();
-        for (i, n) in self.nodes.iter().enumerate() {
+        for (i, n) in self.datapaths.iter().enumerate() {
             for (e, c) in n.datapath.maps().counters().unwrap() {
                 if c.packets > 0 {
                     out.push_str(&format!("node{} {}={} ", i + 1, e.name(), c.packets));
@@ -233,7 +226,7 @@ fn internal_traffic_policy_local_uses_local_endpoints_and_drops_without() {
         .expect_err("no local endpoint");
     assert_eq!(err.kind(), ErrorKind::TimedOut, "dropped: {err}");
     assert!(
-        s.nodes[0]
+        s.datapaths[0]
             .datapath
             .maps()
             .counter(Event::DropNoLocalEndpoint)
@@ -317,7 +310,7 @@ fn host_processes_reach_services_at_connect_time_and_see_the_service_address() {
         assert_eq!(servers, set(&["a", "b"]), "{mode}: local and remote backends");
     }
     assert!(
-        s.nodes[0]
+        s.datapaths[0]
             .datapath
             .maps()
             .hook_counter(dataplane_common::stats::Hook::Socket, Event::NewFlow)
@@ -348,7 +341,7 @@ fn large_segments_whose_payload_is_not_linear_are_translated() {
             .unwrap_or_else(|e| panic!("{size}-byte request: {e}; {}", s.report()));
         assert_eq!(r.payload.len(), size);
     }
-    for n in &s.nodes {
+    for n in &s.datapaths {
         assert_eq!(
             n.datapath.maps().counter(Event::Malformed).unwrap().packets,
             0,
@@ -384,7 +377,7 @@ fn socket_lb_host_only_leaves_pods_to_per_packet_translation() {
     s.program(&[&svc]);
     let dst = SocketAddrV4::new(CIP, 80);
     let count = |s: &Sandbox, hook| {
-        s.nodes[0]
+        s.datapaths[0]
             .datapath
             .maps()
             .hook_counter(hook, Event::NewFlow)
@@ -400,8 +393,8 @@ fn socket_lb_host_only_leaves_pods_to_per_packet_translation() {
     // With it, only the node's own sockets are; the pod's flow is translated
     // per packet by tc_pod_ingress (what service meshes that redirect per
     // packet need), and still works.
-    s.nodes[0].config.socket_lb_host_only = true;
-    s.nodes[0].reconfigure();
+    s.datapaths[0].config.socket_lb_host_only = true;
+    s.datapaths[0].reconfigure();
     let (sock, tc) = (count(&s, Hook::Socket), count(&s, Hook::TcPodIngress));
     let (peer, _) = pod_process_in_node_cgroup(&s, "client", 0, dst).expect("pod, per packet");
     assert_eq!(peer, dst.to_string());
@@ -435,8 +428,8 @@ fn socket_lb_host_only_serves_a_namespace_without_a_route_to_pods() {
         "connect() to {dst} rewritten to a pod address the namespace has no route to"
     );
 
-    s.nodes[0].config.socket_lb_host_only = true;
-    s.nodes[0].reconfigure();
+    s.datapaths[0].config.socket_lb_host_only = true;
+    s.datapaths[0].reconfigure();
     let (peer, _) =
         pod_process_in_node_cgroup(&s, "client", 0, dst).expect("per-packet translation at the node");
     assert_eq!(peer, dst.to_string());
@@ -473,11 +466,11 @@ fn localhost_node_ports_serve_the_nodes_own_processes_only() {
         "ConnectionRefused"
     );
 
-    for n in &mut s.nodes {
+    for n in &mut s.datapaths {
         n.config.localhost_nodeports = true;
         n.reconfigure();
     }
-    let node2 = s.nodes[1].node_ip;
+    let node2 = s.datapaths[1].node_ip;
     for (mode, dst) in [
         ("tcp", local_tcp),
         ("udp-connected", local_udp),

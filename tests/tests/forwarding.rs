@@ -21,9 +21,8 @@ use std::{
 use dataplane_agent::dataplane::LbMaps;
 use dataplane_common::stats::{Event, FlowStat, Hook};
 use dataplane_tests::{
-    agent::{AgentProcess, ManifestDir},
     cluster::{Cluster, Wiring},
-    echo::{EchoServer, TcpClient, tcp_request, udp_request},
+    echo::{TcpClient, tcp_request, udp_request},
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_agent");
@@ -79,69 +78,53 @@ fn service(
     y
 }
 
-struct Sandbox {
-    agents: Vec<AgentProcess>,
-    _servers: Vec<EchoServer>,
-    _manifests: ManifestDir,
-    cluster: Cluster,
+/// Pod `name`'s addresses and node name, for [`service`].
+fn pod<'a>(c: &'a Cluster, name: &str) -> (IpAddr, IpAddr, &'a str) {
+    let p = c.pod(name);
+    (
+        IpAddr::V4(p.ip),
+        IpAddr::V6(p.ip6.unwrap()),
+        c.nodes[p.node].name.as_str(),
+    )
 }
+
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     /// Three nodes, pods "b" on node2 and "c" on node3, the Services, an
     /// agent per node with `extra` flags.
     fn new(extra: &[&str]) -> Self {
-        let mut cluster = Cluster::with_nodes(3, Wiring::Wire);
-        cluster.add_pod(1, "b");
-        cluster.add_pod(2, "c");
-        let mut servers = Vec::new();
-        for p in &cluster.pods {
-            let ip6 = IpAddr::V6(p.ip6.expect("dual-stack"));
-            for ip in [IpAddr::V4(p.ip), ip6] {
-                servers.push(EchoServer::tcp(&p.ns, &p.name, SocketAddr::new(ip, TCP_PORT)));
-                servers.push(EchoServer::udp(&p.ns, &p.name, SocketAddr::new(ip, UDP_PORT)));
-            }
-        }
-        let pod = |name: &str| {
-            let p = cluster.pod(name);
-            (
-                IpAddr::V4(p.ip),
-                IpAddr::V6(p.ip6.unwrap()),
-                cluster.nodes[p.node].name.as_str(),
-            )
-        };
-        let (b, c) = (pod("b"), pod("c"));
-        let manifests = ManifestDir::new(cluster.prefix());
         let mode = "dataplane.example.com/lb-mode";
-        manifests.write(
-            "snat.yaml",
-            &service("snat", &[(mode, "snat")], SNAT, false, &[b]),
-        );
-        manifests.write("dsr.yaml", &service("dsr", &[(mode, "dsr")], DSR, true, &[b]));
-        manifests.write(
-            "hybrid.yaml",
-            &service("hybrid", &[(mode, "hybrid")], HYBRID, false, &[b]),
-        );
-        manifests.write(
-            "maglev.yaml",
-            &service(
-                "maglev",
-                &[("dataplane.example.com/lb-algorithm", "maglev")],
-                MAGLEV,
-                false,
-                &[b, c],
-            ),
-        );
-        cluster.route_from_client("198.19.0.0/24", 0);
-        cluster.route_from_client("2001:db8:19::/64", 0);
-        let agents = (0..3)
-            .map(|i| cluster.start_agent(BIN, i, &manifests, extra))
-            .collect();
-        Self {
-            agents,
-            _servers: servers,
-            _manifests: manifests,
-            cluster,
-        }
+        Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::with_nodes(3, Wiring::Wire))
+                .pods(&[("b", 1), ("c", 2)])
+                .tcp_echo_every_address(TCP_PORT)
+                .udp_echo_every_address(UDP_PORT)
+                .manifest("snat.yaml", |c| {
+                    service("snat", &[(mode, "snat")], SNAT, false, &[pod(c, "b")])
+                })
+                .manifest("dsr.yaml", |c| {
+                    service("dsr", &[(mode, "dsr")], DSR, true, &[pod(c, "b")])
+                })
+                .manifest("hybrid.yaml", |c| {
+                    service("hybrid", &[(mode, "hybrid")], HYBRID, false, &[pod(c, "b")])
+                })
+                .manifest("maglev.yaml", |c| {
+                    service(
+                        "maglev",
+                        &[("dataplane.example.com/lb-algorithm", "maglev")],
+                        MAGLEV,
+                        false,
+                        &[pod(c, "b"), pod(c, "c")],
+                    )
+                })
+                .route_from_client("198.19.0.0/24", 0)
+                .route_from_client("2001:db8:19::/64", 0)
+                .agents(3, |s, i| s.start_agent(BIN, i, extra)),
+        )
     }
 
     fn node(&self, i: usize, v6: bool) -> IpAddr {
@@ -171,14 +154,6 @@ impl Sandbox {
     fn flow_stat(&self, i: usize, which: FlowStat) -> u64 {
         let stats = self.maps(i).flow_stats().unwrap();
         stats.into_iter().find(|(s, _)| *s == which).map_or(0, |(_, n)| n)
-    }
-
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .map(|a| a.log_text())
-            .collect::<Vec<_>>()
-            .join("\n---\n")
     }
 }
 

@@ -13,7 +13,7 @@ use dataplane_agent::k8s::manifests::{Objects, load_text};
 use dataplane_tests::{
     agent::{AgentProcess, METRICS_PORT, ManifestEndpoint as Ep, service_yaml},
     cluster::Cluster,
-    echo::{EchoServer, TcpClient, tcp_request},
+    echo::{TcpClient, tcp_request},
     fake_api::FakeApiServer,
 };
 
@@ -27,12 +27,10 @@ fn objects(yaml: &str) -> Objects {
     o
 }
 
-struct Sandbox {
-    agent: AgentProcess,
-    api: FakeApiServer,
-    _servers: Vec<EchoServer>,
-    cluster: Cluster,
-}
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 fn web(cluster: &Cluster, pods: &[&str]) -> Objects {
     let eps: Vec<Ep> = pods
@@ -64,7 +62,7 @@ impl Sandbox {
     }
 
     fn apply(&self, o: &Objects) {
-        apply(&self.api, o);
+        apply(self.api(), o);
     }
 
     fn seen(&self, n: usize) -> BTreeSet<String> {
@@ -84,7 +82,7 @@ impl Sandbox {
             Duration::from_millis(100),
             what,
             check,
-            || self.agent.log_text(),
+            || self.agents[0].log_text(),
         );
     }
 }
@@ -95,29 +93,21 @@ fn set(names: &[&str]) -> BTreeSet<String> {
 
 #[test]
 fn agent_follows_the_api_through_watch_events_relists_and_reconnects() {
-    let mut cluster = Cluster::new();
-    for (name, node) in [("a", 0), ("b", 1), ("c", 1)] {
-        cluster.add_pod(node, name);
-    }
-    let servers = cluster
-        .pods
-        .iter()
-        .map(|p| EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, 8080)))
-        .collect();
-    // The API server listens inside node1, as a real one is reachable from it.
-    let api = FakeApiServer::start(cluster.nodes[0].ns());
-    let node = objects(
-        "apiVersion: v1\nkind: Node\nmetadata: {name: node1, labels: {topology.kubernetes.io/zone: z1}}\n",
+    let s = Sandbox(
+        dataplane_tests::sandbox::Sandbox::builder(Cluster::new())
+            .pods(&[("a", 0), ("b", 1), ("c", 1)])
+            .tcp_echo(8080)
+            // The API server listens inside node1, as a real one is reachable from it.
+            .api_in_node(0)
+            .then(|s| {
+                let node = objects(
+                    "apiVersion: v1\nkind: Node\nmetadata: {name: node1, labels: {topology.kubernetes.io/zone: z1}}\n",
+                );
+                apply(s.api(), &node);
+                apply(s.api(), &web(&s.cluster, &["a", "b"]));
+            })
+            .agents(1, |s, i| s.start_agent_on_api(BIN, i, &[])),
     );
-    apply(&api, &node);
-    apply(&api, &web(&cluster, &["a", "b"]));
-    let agent = cluster.start_agent_with_source(BIN, 0, "kubernetes", &["--k8s-api-server", &api.url()]);
-    let s = Sandbox {
-        agent,
-        api,
-        _servers: servers,
-        cluster,
-    };
     assert_eq!(s.seen(30), set(&["a", "b"]), "programmed from the initial lists");
 
     // A watch event.
@@ -125,18 +115,18 @@ fn agent_follows_the_api_through_watch_events_relists_and_reconnects() {
     s.eventually("only a after a MODIFIED event", || s.seen(8) == set(&["a"]));
 
     // 410 Gone: the agent must relist; the change made meanwhile shows up.
-    let lists_before = s.api.lists("endpointslices");
-    s.api.expire_watches();
+    let lists_before = s.api().lists("endpointslices");
+    s.api().expire_watches();
     s.apply(&s.web(&["a", "c"]));
     s.eventually("c after the relist", || s.seen(20).contains("c"));
     assert!(
-        s.api.lists("endpointslices") > lists_before,
+        s.api().lists("endpointslices") > lists_before,
         "410 made the agent relist"
     );
 
     // A dropped connection: the agent resumes the watch.
-    s.api.bookmark();
-    s.api.drop_connections();
+    s.api().bookmark();
+    s.api().drop_connections();
     s.apply(&s.web(&["b"]));
     s.eventually("only b after the watch resumed", || s.seen(8) == set(&["b"]));
 
@@ -151,7 +141,7 @@ fn agent_follows_the_api_through_watch_events_relists_and_reconnects() {
     s.apply(&lb);
     s.eventually("Warning events posted", || {
         let reasons: BTreeSet<String> = s
-            .api
+            .api()
             .events()
             .iter()
             .filter_map(|e| e["reason"].as_str().map(str::to_owned))
@@ -159,7 +149,7 @@ fn agent_follows_the_api_through_watch_events_relists_and_reconnects() {
         reasons.contains("FailedToStartServiceHealthcheck") && reasons.contains("FailedToProgramService")
     });
     let event = s
-        .api
+        .api()
         .events()
         .into_iter()
         .find(|e| e["reason"] == "FailedToStartServiceHealthcheck")
@@ -170,7 +160,7 @@ fn agent_follows_the_api_through_watch_events_relists_and_reconnects() {
     drop(port_taken);
 
     // Deleted through the API: gone from the datapath.
-    s.api.delete("Service", "default", "web");
+    s.api().delete("Service", "default", "web");
     let dst = SocketAddrV4::new(s.cluster.nodes[0].ip(), NODE_PORT);
     s.eventually("the deleted Service is gone", || {
         TcpClient::connect(&s.cluster.client.ns, dst).is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused)
@@ -218,33 +208,32 @@ fn service_cidr(name: &str, cidrs: &str) -> k8s_openapi::api::networking::v1::Se
 
 #[test]
 fn service_cidr_objects_added_and_deleted_at_run_time_drop_unallocated_addresses() {
-    let mut cluster = Cluster::new();
-    cluster.add_pod(0, "a");
-    let pod = cluster.pod("a");
-    let servers = vec![EchoServer::tcp(&pod.ns, "a", SocketAddrV4::new(pod.ip, 8080))];
-    let api = FakeApiServer::start(cluster.nodes[0].ns());
-    apply(
-        &api,
-        &objects("apiVersion: v1\nkind: Node\nmetadata: {name: node1}\n"),
-    );
-    apply(&api, &web(&cluster, &["a"]));
-    // No --service-cidr: the ServiceCIDR objects are all there is.
-    let agent = cluster.start_agent_omitting(
-        BIN,
-        0,
-        "kubernetes",
-        &["--k8s-api-server", &api.url()],
-        &["--service-cidr"],
+    let s = Sandbox(
+        dataplane_tests::sandbox::Sandbox::builder(Cluster::new())
+            .pods(&[("a", 0)])
+            .tcp_echo(8080)
+            .api_in_node(0)
+            .then(|s| {
+                apply(
+                    s.api(),
+                    &objects("apiVersion: v1\nkind: Node\nmetadata: {name: node1}\n"),
+                );
+                apply(s.api(), &web(&s.cluster, &["a"]));
+            })
+            // No --service-cidr: the ServiceCIDR objects are all there is.
+            .agents(1, |s, i| {
+                s.cluster.start_agent_omitting(
+                    BIN,
+                    i,
+                    "kubernetes",
+                    &["--k8s-api-server", &s.api().url()],
+                    &["--service-cidr"],
+                )
+            }),
     );
     // The client reaches the service range through node1, as an upstream
     // router would route it.
-    cluster.route_from_client("10.96.0.0/16", 0);
-    let s = Sandbox {
-        agent,
-        api,
-        _servers: servers,
-        cluster,
-    };
+    s.cluster.route_from_client("10.96.0.0/16", 0);
     let cluster_ip = SocketAddrV4::new(Ipv4Addr::new(10, 96, 0, 10), 80);
     let unallocated = SocketAddrV4::new(Ipv4Addr::new(10, 96, 9, 9), 80);
     let dropped = || packets(&s.cluster, 0, "drop_unallocated_service_ip");
@@ -260,7 +249,7 @@ fn service_cidr_objects_added_and_deleted_at_run_time_drop_unallocated_addresses
     assert_eq!(dropped(), before, "not counted as unallocated");
 
     // A ServiceCIDR added at run time: its unallocated addresses are dropped.
-    s.api.apply(&service_cidr("kubernetes", "10.96.0.0/16"));
+    s.api().apply(&service_cidr("kubernetes", "10.96.0.0/16"));
     s.eventually("the ServiceCIDR in force", || {
         ipv4_service_cidrs(&s.cluster, 0) == 1
     });
@@ -272,9 +261,9 @@ fn service_cidr_objects_added_and_deleted_at_run_time_drop_unallocated_addresses
     // An invalid object is skipped and counted; more CIDRs than the
     // datapath holds: the first 4 by name are kept (kubernetes < more-*),
     // the rest counted. The drops go on.
-    s.api.apply(&service_cidr("bad", "not-a-cidr"));
+    s.api().apply(&service_cidr("bad", "not-a-cidr"));
     for i in 1..=4 {
-        s.api.apply(&service_cidr(
+        s.api().apply(&service_cidr(
             &format!("more-{i}"),
             &format!("10.{}.0.0/16", 96 + i),
         ));
@@ -289,11 +278,11 @@ fn service_cidr_objects_added_and_deleted_at_run_time_drop_unallocated_addresses
     assert_eq!(err.kind(), ErrorKind::TimedOut, "dropped: {err}");
     assert!(dropped() > before);
     for name in ["bad", "more-1", "more-2", "more-3", "more-4"] {
-        s.api.delete("ServiceCIDR", "", name);
+        s.api().delete("ServiceCIDR", "", name);
     }
 
     // Deleted: the address is no longer dropped as unallocated.
-    s.api.delete("ServiceCIDR", "", "kubernetes");
+    s.api().delete("ServiceCIDR", "", "kubernetes");
     s.eventually("the ServiceCIDR gone", || ipv4_service_cidrs(&s.cluster, 0) == 0);
     let before = dropped();
     let err = TcpClient::connect(&s.cluster.client.ns, unallocated).expect_err("nothing listens there");

@@ -247,10 +247,13 @@ fn the_allocator_serves_its_class_only_and_writes_status_conditions_and_events()
     // Allocation latency: from the Service's creation to its status.
     let started = Instant::now();
     s.api.apply(&service("default/late", Some(CLASS), &[80]));
-    while s.ips("default/late").is_empty() {
-        assert!(started.elapsed() < Duration::from_secs(10), "late: no address");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    dataplane_tests::poll_until(
+        Duration::from_secs(10),
+        Duration::from_millis(1),
+        "late: an address",
+        || !s.ips("default/late").is_empty(),
+        String::new,
+    );
     eprintln!(
         "allocation latency (creation to status, fake API server): {:.1} ms",
         started.elapsed().as_secs_f64() * 1000.0

@@ -17,8 +17,6 @@ use dataplane_tests::{
     agent::{AgentProcess, METRICS_PORT},
     bgp::{Bird, BirdDir, NODE_ASN, ROUTER_ASN, next_hops, router_config},
     cluster::{CLIENT_IP, Cluster, Wiring},
-    echo::EchoServer,
-    fake_api::FakeApiServer,
     lb::{CLASS, endpoint_slice, pool, quick_request, service},
     poll_until, require_privileges, unique_prefix,
 };
@@ -35,16 +33,24 @@ const TARGET: u16 = 8080;
 /// without BFD.
 const HOLD_TIME: u32 = 3;
 
+/// The shared sandbox (three nodes, agents against the fake API server),
+/// BIRD beside each agent, and the router's BIRD.
 struct Sandbox {
-    // Dropped in this order: the agents withdraw while BIRD still runs.
-    agents: Vec<AgentProcess>,
+    sb: dataplane_tests::sandbox::Sandbox,
     birds: Vec<Bird>,
     router: Bird,
-    api: FakeApiServer,
-    _servers: Vec<EchoServer>,
-    cluster: Cluster,
     _dir: BirdDir,
 }
+
+/// The agents withdraw while BIRD still runs; then the BIRDs stop, then
+/// the rest of the sandbox goes.
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        self.sb.stop_agents();
+    }
+}
+
+dataplane_tests::deref_sandbox!(Sandbox, sb);
 
 /// `web`: LoadBalancer of our class, port 80 (NodePort 30080), `policy`,
 /// endpoints on `pods`.
@@ -78,47 +84,36 @@ fn peer(name: &str, address: &str, peer_asn: u32, bfd: bool) -> Value {
 impl Sandbox {
     fn new(bfd: bool, agent_args: &[&str]) -> Self {
         require_privileges();
-        let mut cluster = Cluster::with_nodes(3, Wiring::Wire);
-        for (node, pod) in ["a", "b", "c"].into_iter().enumerate() {
-            cluster.add_pod(node, pod);
-        }
-        let servers = cluster
-            .pods
-            .iter()
-            .map(|p| EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TARGET)))
-            .collect();
-        cluster
-            .switch()
-            .ip_batch(&format!("addr add {API_ADDR}/24 dev br0\n"));
-        let api = FakeApiServer::start_at(cluster.switch(), &format!("{API_ADDR}:0"));
-        api.apply(&pool("bgp", &[POOL]));
-        for o in web(&cluster, "Cluster", &["a", "b", "c"]) {
-            api.apply(&o);
-        }
-        api.apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN, bfd));
-        api.apply(
-            &json!({"apiVersion": "dataplane.example.com/v1alpha1", "kind": "BGPAdvertisement",
+        let mut sb = dataplane_tests::sandbox::Sandbox::builder(Cluster::with_nodes(3, Wiring::Wire))
+            .pods(&[("a", 0), ("b", 1), ("c", 2)])
+            .tcp_echo(TARGET)
+            .api_on_switch(API_ADDR)
+            .apply(|c| {
+                let mut objects = vec![pool("bgp", &[POOL])];
+                objects.extend(web(c, "Cluster", &["a", "b", "c"]));
+                objects.push(peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN, bfd));
+                objects.push(
+                    json!({"apiVersion": "dataplane.example.com/v1alpha1", "kind": "BGPAdvertisement",
                           "metadata": {"name": "lb"}, "spec": {"communities": ["64512:100"]}}),
-        );
+                );
+                objects
+            })
+            .build();
         let dir = BirdDir::new(&unique_prefix());
         // The router: the client's namespace, hashing flows over next hops
         // by their ports too.
-        let client = &cluster.client.ns;
+        let client = &sb.cluster.client.ns;
         client.sysctl("net/ipv4/fib_multipath_hash_policy", "1");
         let router_conf = dir.path().join("router.conf");
-        let node_ips: Vec<Ipv4Addr> = cluster.nodes.iter().map(|n| n.ip()).collect();
+        let node_ips: Vec<Ipv4Addr> = sb.cluster.nodes.iter().map(|n| n.ip()).collect();
         std::fs::write(&router_conf, router_config(CLIENT_IP, &node_ips, bfd, HOLD_TIME)).unwrap();
         let router = Bird::start(client, &router_conf);
-        let url = api.url();
-        let mut agents = Vec::new();
         let mut birds = Vec::new();
         for i in 0..3 {
             let conf = dir.path().join(format!("node{}.conf", i + 1));
             let sock = conf.with_extension("ctl");
             let (conf_s, sock_s) = (conf.display().to_string(), sock.display().to_string());
             let mut args = vec![
-                "--k8s-api-server",
-                url.as_str(),
                 "--lb-ipam",
                 "--bgp",
                 "--bgp-config",
@@ -127,24 +122,22 @@ impl Sandbox {
                 sock_s.as_str(),
             ];
             args.extend_from_slice(agent_args);
-            agents.push(cluster.start_agent_with_source(BIN, i, "kubernetes", &args));
+            let agent = sb.start_agent_on_api(BIN, i, &args);
+            sb.agents.push(agent);
             // The sidecar starts on what the agent rendered.
             poll_until(
                 Duration::from_secs(20),
                 POLL,
                 "the agent renders BIRD's configuration",
                 || conf.exists(),
-                || agents[i].log_text(),
+                || sb.agents[i].log_text(),
             );
-            birds.push(Bird::start(cluster.nodes[i].ns(), &conf));
+            birds.push(Bird::start(sb.cluster.nodes[i].ns(), &conf));
         }
         Self {
-            agents,
+            sb,
             birds,
             router,
-            api,
-            _servers: servers,
-            cluster,
             _dir: dir,
         }
     }
@@ -170,7 +163,7 @@ impl Sandbox {
         }
         s.push_str(&format!(
             "web: {:?}\n",
-            self.api
+            self.api()
                 .get("Service", "default", "web")
                 .map(|w| w["status"].clone())
         ));
@@ -286,25 +279,25 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
     // eTP=Local: only the node with the endpoint announces; the client's
     // address reaches the pod.
     for o in web(&s.cluster, "Local", &["b"]) {
-        s.api.apply(&o);
+        s.api().apply(&o);
     }
     s.wait_hops(&[1], SETTLE);
     let (pod, seen) =
         quick_request(&s.cluster.client.ns, (LB_IP, 80), Duration::from_secs(2)).expect("eTP=Local");
     assert_eq!((pod.as_str(), seen), ("b", IpAddr::V4(CLIENT_IP)));
     for o in web(&s.cluster, "Local", &["c"]) {
-        s.api.apply(&o);
+        s.api().apply(&o);
     }
     s.wait_hops(&[2], SETTLE);
     for o in web(&s.cluster, "Cluster", &["a", "b", "c"]) {
-        s.api.apply(&o);
+        s.api().apply(&o);
     }
     s.wait_hops(&[0, 1, 2], SETTLE);
 
     // A peer nobody answers and one that cannot be used: reported, and the
     // good session keeps its routes.
-    s.api.apply(&peer("nowhere", "198.18.0.99", ROUTER_ASN, false));
-    s.api.apply(&peer("bad", "198.18.0.98", 0, false));
+    s.api().apply(&peer("nowhere", "198.18.0.99", ROUTER_ASN, false));
+    s.api().apply(&peer("bad", "198.18.0.98", 0, false));
     poll_until(
         SETTLE,
         POLL,
@@ -317,12 +310,12 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         || s.context(),
     );
     assert!(
-        s.api
+        s.api()
             .events()
             .iter()
             .any(|e| e["reason"] == "InvalidSpec" && e["regarding"]["name"] == "bad"),
         "{:?}",
-        s.api.events()
+        s.api().events()
     );
     assert_eq!(s.hops(), s.node_ips(&[0, 1, 2]), "the good session is untouched");
     let table = s.inspect_bgp(0, "table");
@@ -335,8 +328,8 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         s.metric(0, "dataplane_bgp_session_up{peer=\"tor\",state=\"Established\"}"),
         Some(1)
     );
-    s.api.delete("BGPPeer", "", "nowhere");
-    s.api.delete("BGPPeer", "", "bad");
+    s.api().delete("BGPPeer", "", "nowhere");
+    s.api().delete("BGPPeer", "", "bad");
 
     // node3's speaker crashes: its routes go, the agent reports it and
     // keeps serving; the restarted speaker comes back with the routes.
@@ -370,7 +363,7 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
 
     // The wrong AS for the router: every session fails with BIRD's reason,
     // in /healthz and `inspect bgp`; the right one brings them back.
-    s.api
+    s.api()
         .apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN + 1, false));
     s.wait_hops(&[], SETTLE);
     poll_until(
@@ -380,7 +373,7 @@ fn routers_learn_every_node_and_etp_local_follows_the_endpoints() {
         || s.inspect_bgp(0, "table").contains("Bad peer AS"),
         || s.inspect_bgp(0, "table"),
     );
-    s.api
+    s.api()
         .apply(&peer("tor", &CLIENT_IP.to_string(), ROUTER_ASN, false));
     s.wait_hops(&[0, 1, 2], SETTLE);
 
@@ -521,18 +514,18 @@ fn l2_and_bgp_serve_different_pools_side_by_side() {
     let mut bgp_pool = pool("bgp", &[POOL]);
     bgp_pool["spec"]["l2Announce"] = json!(false);
     bgp_pool["spec"]["serviceSelector"] = json!({"matchLabels": {"io.kubernetes.service.name": "web"}});
-    s.api.apply(&bgp_pool);
+    s.api().apply(&bgp_pool);
     let mut lan_pool = pool("lan", &["198.18.0.240/29"]);
     lan_pool["spec"]["serviceSelector"] = json!({"matchLabels": {"io.kubernetes.service.name": "lan"}});
-    s.api.apply(&lan_pool);
-    s.api.apply(
+    s.api().apply(&lan_pool);
+    s.api().apply(
         &json!({"apiVersion": "dataplane.example.com/v1alpha1", "kind": "BGPAdvertisement",
                         "metadata": {"name": "lb"}, "spec": {"pools": ["bgp"]}}),
     );
     let mut lan = service("default/lan", Some(CLASS), &[80]);
     lan["spec"]["clusterIP"] = json!("10.96.0.31");
     lan["spec"]["ports"][0]["nodePort"] = json!(30081);
-    s.api.apply(&lan);
+    s.api().apply(&lan);
     let eps: Vec<(IpAddr, &str, bool)> = ["a", "b"]
         .iter()
         .map(|p| {
@@ -540,11 +533,11 @@ fn l2_and_bgp_serve_different_pools_side_by_side() {
             (p.ip.into(), s.cluster.nodes[p.node].name.as_str(), true)
         })
         .collect();
-    s.api
+    s.api()
         .apply(&endpoint_slice("default/lan", 80, TARGET as i32, &eps));
     let lan_ip: Ipv4Addr = "198.18.0.241".parse().unwrap();
     let lease = |ip: Ipv4Addr| {
-        s.api.get(
+        s.api().get(
             "Lease",
             LEASE_NS,
             &dataplane_agent::lb::announce::lease_name(&IpAddr::V4(ip)),
@@ -555,7 +548,7 @@ fn l2_and_bgp_serve_different_pools_side_by_side() {
         POLL,
         "the LAN address assigned and elected",
         || {
-            s.api
+            s.api()
                 .get("Service", "default", "lan")
                 .is_some_and(|l| l["status"]["loadBalancer"]["ingress"][0]["ip"] == lan_ip.to_string())
                 && lease(lan_ip).is_some()

@@ -18,9 +18,7 @@ use dataplane_agent::lb::responder::{Counters, Responder};
 use dataplane_tests::{
     agent::{AgentProcess, METRICS_PORT},
     cluster::{Cluster, EXTERNAL_DEVICE},
-    echo::EchoServer,
     eventually,
-    fake_api::FakeApiServer,
     lb::{CLASS, endpoint_slice, mac_of, neighbour, pool, quick_request, service},
     netns::NetNs,
     require_privileges, unique_prefix,
@@ -42,15 +40,15 @@ const LEASE_SECONDS: &str = "2";
 const RENEW_MS: &str = "500";
 const TARGET: u16 = 8080;
 
+/// The shared sandbox (agents on both nodes against the fake API server),
+/// the address the allocator gives `web`, and its Lease.
 struct Sandbox {
-    agents: Vec<Option<AgentProcess>>,
-    api: FakeApiServer,
-    _servers: Vec<EchoServer>,
-    cluster: Cluster,
-    /// The address the allocator gives `web`, and its Lease.
+    sb: dataplane_tests::sandbox::Sandbox,
     lb_ip: IpAddr,
     lease: String,
 }
+
+dataplane_tests::deref_sandbox!(Sandbox, sb);
 
 /// The LoadBalancer Service `web` of our class on port 80 (NodePort 30080)
 /// with `policy` and endpoints (pod, ready).
@@ -107,69 +105,46 @@ impl Sandbox {
     }
 
     fn build(
-        mut cluster: Cluster,
+        cluster: Cluster,
         pool_block: &str,
         lb_ip: IpAddr,
         objects: impl Fn(&Cluster) -> Vec<Value>,
     ) -> Self {
-        cluster.add_pod(0, "a");
-        cluster.add_pod(1, "b");
-        let mut servers = Vec::new();
-        for p in &cluster.pods {
-            servers.push(EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TARGET)));
-            if let Some(ip6) = p.ip6 {
-                servers.push(EchoServer::tcp(&p.ns, &p.name, (ip6, TARGET)));
-            }
-        }
-        cluster
-            .switch()
-            .ip_batch(&format!("addr add {API_ADDR}/24 dev br0\n"));
-        let api = FakeApiServer::start_at(cluster.switch(), &format!("{API_ADDR}:0"));
-        api.apply(&pool("lan", &[pool_block]));
-        for o in objects(&cluster) {
-            api.apply(&o);
-        }
-        let url = api.url();
-        let args = [
-            "--k8s-api-server",
-            url.as_str(),
-            "--lb-ipam",
-            "--l2-announce",
-            "--lb-lease-namespace",
-            LEASE_NS,
-            "--l2-lease-duration-seconds",
-            LEASE_SECONDS,
-            "--l2-lease-renew-ms",
-            RENEW_MS,
-        ];
-        let agents = (0..2)
-            .map(|i| Some(cluster.start_agent_with_source(BIN, i, "kubernetes", &args)))
-            .collect();
+        let sb = dataplane_tests::sandbox::Sandbox::builder(cluster)
+            .pods(&[("a", 0), ("b", 1)])
+            .tcp_echo_every_address(TARGET)
+            .api_on_switch(API_ADDR)
+            .apply(|_| vec![pool("lan", &[pool_block])])
+            .apply(objects)
+            .agents(2, |s, i| {
+                s.start_agent_on_api(
+                    BIN,
+                    i,
+                    &[
+                        "--lb-ipam",
+                        "--l2-announce",
+                        "--lb-lease-namespace",
+                        LEASE_NS,
+                        "--l2-lease-duration-seconds",
+                        LEASE_SECONDS,
+                        "--l2-lease-renew-ms",
+                        RENEW_MS,
+                    ],
+                )
+            });
         Self {
-            agents,
-            api,
-            _servers: servers,
-            cluster,
+            sb,
             lease: dataplane_agent::lb::announce::lease_name(&lb_ip),
             lb_ip,
         }
-    }
-
-    fn logs(&self) -> String {
-        self.agents
-            .iter()
-            .flatten()
-            .map(|a| format!("node{}:\n{}", a.node + 1, a.log_text()))
-            .collect::<Vec<_>>()
-            .join("\n---\n")
     }
 
     fn wait(&self, what: &str, check: impl Fn() -> bool) {
         eventually(what, check, || {
             format!(
                 "lease: {:?}\nweb: {:?}\n{}",
-                self.api.get("Lease", LEASE_NS, &self.lease),
-                self.api
+                self.api().get("Lease", LEASE_NS, &self.lease),
+                self.api()
                     .get("Service", "default", "web")
                     .map(|s| s["status"].clone()),
                 self.logs()
@@ -179,7 +154,7 @@ impl Sandbox {
 
     /// The node (index) holding the address's Lease.
     fn holder(&self) -> Option<usize> {
-        let lease = self.api.get("Lease", LEASE_NS, &self.lease)?;
+        let lease = self.api().get("Lease", LEASE_NS, &self.lease)?;
         let name = lease["spec"]["holderIdentity"].as_str()?;
         self.cluster.nodes.iter().position(|n| n.name == name)
     }
@@ -220,16 +195,14 @@ impl Sandbox {
     /// `node` (eTP=Cluster: masqueraded to its address); how long it took.
     fn until_served_through(&self, node: usize, since: Instant) -> Duration {
         let through = self.node_ip(node);
-        let deadline = since + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if let Ok((_, peer)) = self.request(Duration::from_millis(200))
-                && peer == through
-            {
-                return since.elapsed();
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        panic!("not served through node{} within 15 s\n{}", node + 1, self.logs());
+        dataplane_tests::poll_until(
+            Duration::from_secs(15).saturating_sub(since.elapsed()),
+            Duration::from_millis(50),
+            &format!("served through node{}", node + 1),
+            || matches!(self.request(Duration::from_millis(200)), Ok((_, peer)) if peer == through),
+            || self.logs(),
+        );
+        since.elapsed()
     }
 }
 
@@ -237,7 +210,7 @@ impl Sandbox {
 fn a_client_on_the_segment_reaches_the_lb_ip_through_the_elected_node_and_after_it_dies() {
     let mut s = Sandbox::new(|c| web(c, "Cluster", &[("a", true), ("b", true)]));
     s.wait("address assigned and announced", || {
-        s.api
+        s.api()
             .get("Service", "default", "web")
             .is_some_and(|w| w["status"]["loadBalancer"]["ingress"][0]["ip"] == LB_IP.to_string())
             && s.holder().is_some()
@@ -264,7 +237,7 @@ fn a_client_on_the_segment_reaches_the_lb_ip_through_the_elected_node_and_after_
     // endpoint stays ready until the node controller notices).
     let survivor = ["a", "b"][y];
     for o in web(&s.cluster, "Cluster", &[(survivor, true)]) {
-        s.api.apply(&o);
+        s.api().apply(&o);
     }
     s.wait("only the surviving node's pod serves", || {
         (0..4).all(|_| {
@@ -275,7 +248,7 @@ fn a_client_on_the_segment_reaches_the_lb_ip_through_the_elected_node_and_after_
 
     // The announcer dies with its node: no release, no forwarding.
     let killed = Instant::now();
-    s.agents[x].as_mut().unwrap().kill9();
+    s.agents[x].kill9();
     s.cluster.nodes[x]
         .ns()
         .ip_batch(&format!("link set {EXTERNAL_DEVICE} down\n"));
@@ -286,7 +259,7 @@ fn a_client_on_the_segment_reaches_the_lb_ip_through_the_elected_node_and_after_
         failover.as_secs_f64() * 1000.0
     );
     assert_eq!(s.holder(), Some(y));
-    let lease = s.api.get("Lease", LEASE_NS, &s.lease).unwrap();
+    let lease = s.api().get("Lease", LEASE_NS, &s.lease).unwrap();
     assert_eq!(
         lease["spec"]["leaseTransitions"], 1,
         "taken over on expiry: {lease}"
@@ -311,9 +284,9 @@ fn a_client_on_the_segment_reaches_the_lb_ip_through_the_elected_node_and_after_
         other.pod_cidr(),
         other.ip()
     ));
-    s.agents[x].as_mut().unwrap().restart(s.cluster.nodes[x].ns());
+    s.restart_agent(x);
     let stopped = Instant::now();
-    drop(s.agents[y].take());
+    s.agents[y].stop();
     let handover = s.until_served_through(x, stopped);
     eprintln!(
         "L2 hand-over on a graceful stop (SIGTERM → served through the other node): {:.0} ms",
@@ -332,7 +305,7 @@ fn a_client_on_the_segment_reaches_the_lb_ip_through_the_elected_node_and_after_
 fn an_ipv6_lb_ip_is_resolved_with_ndp_served_and_failed_over() {
     let mut s = Sandbox::dual_stack(|c| web6(c, &[("a", true), ("b", true)]));
     s.wait("address assigned and announced", || {
-        s.api
+        s.api()
             .get("Service", "default", "web6")
             .is_some_and(|w| w["status"]["loadBalancer"]["ingress"][0]["ip"] == LB_IP6.to_string())
             && s.holder().is_some()
@@ -353,7 +326,7 @@ fn an_ipv6_lb_ip_is_resolved_with_ndp_served_and_failed_over() {
     );
     assert!(s.metric(x, "dataplane_l2_replies_total{protocol=\"ndp\"}") >= 1);
     for o in web6(&s.cluster, &[(["a", "b"][y], true)]) {
-        s.api.apply(&o);
+        s.api().apply(&o);
     }
     let survivor = ["a", "b"][y];
     s.wait("only the surviving node's pod serves", || {
@@ -363,7 +336,7 @@ fn an_ipv6_lb_ip_is_resolved_with_ndp_served_and_failed_over() {
         })
     });
     let killed = Instant::now();
-    s.agents[x].as_mut().unwrap().kill9();
+    s.agents[x].kill9();
     s.cluster.nodes[x]
         .ns()
         .ip_batch(&format!("link set {EXTERNAL_DEVICE} down\n"));
@@ -402,7 +375,7 @@ fn with_local_traffic_policy_only_a_node_with_a_ready_endpoint_announces() {
     // The endpoint moves to node2: node1 stops and releases, node2 takes
     // over (no lease expiry to wait for) and announces itself.
     for o in web(&s.cluster, "Local", &[("a", false), ("b", true)]) {
-        s.api.apply(&o);
+        s.api().apply(&o);
     }
     s.wait("announced by node2", || s.holder() == Some(1));
     s.wait("served by b through node2", || {
@@ -410,7 +383,7 @@ fn with_local_traffic_policy_only_a_node_with_a_ready_endpoint_announces() {
             .is_ok_and(|(server, peer)| server == "b" && peer == s.cluster.client.ip)
     });
     assert_eq!(s.client_neighbour(), Some(s.node_mac(1)));
-    let lease = s.api.get("Lease", LEASE_NS, &s.lease).unwrap();
+    let lease = s.api().get("Lease", LEASE_NS, &s.lease).unwrap();
     assert_eq!(
         lease["spec"]["leaseTransitions"], 0,
         "released, not expired: {lease}"

@@ -12,39 +12,33 @@ use std::{
 use dataplane_tests::{
     agent::{AgentProcess, HEALTH_PORT, METRICS_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
     cluster::Cluster,
-    echo::{EchoServer, TcpClient, tcp_request},
+    echo::{TcpClient, tcp_request},
 };
 
 const BIN: &str = env!("CARGO_BIN_EXE_agent");
 const NODE_PORT: u16 = 30080;
 const TARGET: u16 = 8080;
 
-struct Sandbox {
-    agent: AgentProcess,
-    manifests: ManifestDir,
-    _server: EchoServer,
-    cluster: Cluster,
-}
+/// The shared sandbox, with this file's helpers.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     fn new() -> Self {
         Self::with_args(&[])
     }
 
+    /// Pod a on node1 serving TCP, the NodePort `web`, an agent on node1
+    /// with `extra` flags.
     fn with_args(extra: &[&str]) -> Self {
-        let mut cluster = Cluster::new();
-        cluster.add_pod(0, "a");
-        let p = cluster.pod("a");
-        let server = EchoServer::tcp(&p.ns, &p.name, SocketAddrV4::new(p.ip, TARGET));
-        let manifests = ManifestDir::new(cluster.prefix());
-        manifests.write("web.yaml", &web(&cluster));
-        let agent = cluster.start_agent(BIN, 0, &manifests, extra);
-        Self {
-            agent,
-            manifests,
-            _server: server,
-            cluster,
-        }
+        Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::new())
+                .pods(&[("a", 0)])
+                .tcp_echo(TARGET)
+                .manifest("web.yaml", web)
+                .agents(1, |s, i| s.start_agent(BIN, i, extra)),
+        )
     }
 
     fn node_port(&self) -> SocketAddrV4 {
@@ -75,7 +69,7 @@ impl Sandbox {
     /// Retries `check` until it holds (the agent applies a stable change
     /// within a few 100 ms polls).
     fn eventually(&self, what: &str, check: impl Fn() -> bool) {
-        dataplane_tests::eventually(what, check, || self.agent.log_text());
+        dataplane_tests::eventually(what, check, || self.agents[0].log_text());
     }
 
     /// The problem was logged, counted, and every valid Service still works.
@@ -86,7 +80,7 @@ impl Sandbox {
                 .lines()
                 .any(|l| l.starts_with(&counter) && !l.ends_with(" 0"))
         });
-        let log = self.agent.log_text();
+        let log = self.agents[0].log_text();
         assert!(
             log.lines()
                 .any(|l| l.contains("manifest not applied") && l.contains(log_needle)),
@@ -120,18 +114,18 @@ fn bad_manifests_keep_the_last_good_set_with_a_log_line_and_a_metric() {
     let good_lines = good.lines().count();
 
     // A YAML syntax error: the file's last good set stays.
-    s.manifests.write("web.yaml", &format!("{good}---\na: [\n"));
+    s.manifests().write("web.yaml", &format!("{good}---\na: [\n"));
     s.refused("syntax error", "syntax", &format!("web.yaml:{}:", good_lines + 2));
 
     // An object that does not deserialize (`port: eighty`).
     let eighty = good
         .replace("name: web", "name: web2")
         .replace("port: 80,", "port: eighty,");
-    s.manifests.write("web.yaml", &format!("{good}---\n{eighty}"));
+    s.manifests().write("web.yaml", &format!("{good}---\n{eighty}"));
     s.refused("port: eighty", "invalid_object", "\"web2\"");
 
     // Truncated to nothing by a non-atomic writer.
-    std::fs::write(s.manifests.path().join("web.yaml"), "").unwrap();
+    std::fs::write(s.manifests().path().join("web.yaml"), "").unwrap();
     s.refused("empty file", "empty_file", "became empty");
 
     // Malformed endpoint addresses in another file: reported, skipped, the
@@ -151,7 +145,7 @@ fn bad_manifests_keep_the_last_good_set_with_a_log_line_and_a_metric() {
             "  - {{addresses: [not-an-ip]}}\n  - {{addresses: [10.244.0.999]}}\n  - {{addresses: [\"fd00::1\"]}}\n  - {{addresses: [{pod}],"
         ),
     );
-    s.manifests.write("eps.yaml", &bad_eps);
+    s.manifests().write("eps.yaml", &bad_eps);
     let eps_port = SocketAddrV4::new(s.cluster.nodes[0].ip(), NODE_PORT + 1);
     s.eventually("the valid endpoint of the bad slice serves", || {
         s.serves(eps_port)
@@ -161,7 +155,7 @@ fn bad_manifests_keep_the_last_good_set_with_a_log_line_and_a_metric() {
             .lines()
             .any(|l| l.starts_with("dataplane_sync_problems ") && l != "dataplane_sync_problems 0")
     });
-    let log = s.agent.log_text();
+    let log = s.agents[0].log_text();
     for needle in [
         "\"not-an-ip\"",
         "\"10.244.0.999\"",
@@ -171,7 +165,7 @@ fn bad_manifests_keep_the_last_good_set_with_a_log_line_and_a_metric() {
     }
 
     // Deleting the file is how its objects are removed.
-    s.manifests.remove("web.yaml");
+    s.manifests().remove("web.yaml");
     s.eventually("the deleted file's Service is gone", || {
         TcpClient::connect(&s.cluster.client.ns, s.node_port())
             .is_err_and(|e| e.kind() == ErrorKind::ConnectionRefused)
@@ -255,7 +249,7 @@ fn the_loop_keeps_syncing_and_stops_on_sigterm_while_a_large_manifest_is_parsed(
     let mut s = Sandbox::with_args(&["--sync-period-seconds", "1"]);
     let large = large_manifest(200_000);
     let size = large.len();
-    s.manifests.write("large.yaml", &large);
+    s.manifests().write("large.yaml", &large);
     let renamed = Instant::now();
     drop(large);
 
@@ -270,13 +264,13 @@ fn the_loop_keeps_syncing_and_stops_on_sigterm_while_a_large_manifest_is_parsed(
         std::thread::sleep(Duration::from_millis(200));
     }
     // The test's premise: the parse is still going on.
-    let parsed = s.agent.log_text().contains("end-of-large");
+    let parsed = s.agents[0].log_text().contains("end-of-large");
 
-    let pid = agent_pid(&s.agent);
+    let pid = agent_pid(&s.agents[0]);
     let sent = Instant::now();
     // SAFETY: plain kill(2) of our own child.
     unsafe { libc::kill(pid, libc::SIGTERM) };
-    let exited = s.agent.wait_exit(Duration::from_secs(5));
+    let exited = s.agents[0].wait_exit(Duration::from_secs(5));
     let took = sent.elapsed();
     let slowest = answers.iter().map(|a| a.3).max().unwrap_or_default();
     eprintln!(
@@ -293,11 +287,11 @@ fn the_loop_keeps_syncing_and_stops_on_sigterm_while_a_large_manifest_is_parsed(
     assert!(
         bad.is_empty(),
         "health answers other than 200 during the parse (path, since the rename, status, latency): {bad:?}\n{}",
-        s.agent.log_text()
+        s.agents[0].log_text()
     );
     assert!(
         exited.is_some(),
         "SIGTERM during the parse of a large manifest: still running after 5 s\n{}",
-        s.agent.log_text()
+        s.agents[0].log_text()
     );
 }

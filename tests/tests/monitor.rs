@@ -14,7 +14,7 @@ use std::{
 };
 
 use dataplane_tests::{
-    agent::{AgentProcess, HEALTH_PORT, ManifestDir, ManifestEndpoint as Ep, service_yaml},
+    agent::{AgentProcess, HEALTH_PORT, ManifestEndpoint as Ep, service_yaml},
     cluster::{CLIENT_IP, Cluster},
 };
 use serde_json::Value;
@@ -32,69 +32,65 @@ const OPEN: u16 = 30083;
 /// - `ranged`: LoadBalancer 198.19.0.30 open to 203.0.113.0/24 only;
 /// - `open`: NodePort 30083, eTP=Cluster, its one endpoint on node2 (the
 ///   packets node1 translates).
-struct Sandbox {
-    agent: AgentProcess,
-    _manifests: ManifestDir,
-    cluster: Cluster,
+fn services(c: &Cluster) -> String {
+    let b = c.pod("b");
+    let eps = [Ep::ready(b.ip, &c.nodes[1].name)];
+    let udp = |y: String| y.replace("protocol: TCP", "protocol: UDP");
+    let local_none = udp(service_yaml(
+        "local-none",
+        &format!("  type: NodePort\n  clusterIP: {CLUSTER_IP}\n  externalTrafficPolicy: Local\n"),
+        53,
+        Some(LOCAL_NONE),
+        5353,
+        &eps,
+    ));
+    let empty = udp(service_yaml(
+        "empty",
+        "  type: NodePort\n  clusterIP: 10.96.0.22\n",
+        53,
+        Some(EMPTY),
+        5353,
+        &[],
+    ));
+    let ranged = udp(service_yaml(
+        "ranged",
+        "  type: LoadBalancer\n  clusterIP: 10.96.0.23\n  loadBalancerSourceRanges: [203.0.113.0/24]\n",
+        53,
+        None,
+        5353,
+        &eps,
+    ))
+    .replacen(
+        "\n---\n",
+        &format!("\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\n"),
+        1,
+    );
+    let open = udp(service_yaml(
+        "open",
+        "  type: NodePort\n  clusterIP: 10.96.0.24\n",
+        53,
+        Some(OPEN),
+        5353,
+        &eps,
+    ));
+    format!("{local_none}---\n{empty}---\n{ranged}---\n{open}")
 }
+
+/// node1's agent with [`services`], pod b on node2.
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     fn new() -> Self {
-        let mut cluster = Cluster::new();
-        cluster.add_pod(1, "b");
-        let b = cluster.pod("b");
-        let eps = [Ep::ready(b.ip, &cluster.nodes[1].name)];
-        let udp = |y: String| y.replace("protocol: TCP", "protocol: UDP");
-        let local_none = udp(service_yaml(
-            "local-none",
-            &format!("  type: NodePort\n  clusterIP: {CLUSTER_IP}\n  externalTrafficPolicy: Local\n"),
-            53,
-            Some(LOCAL_NONE),
-            5353,
-            &eps,
-        ));
-        let empty = udp(service_yaml(
-            "empty",
-            "  type: NodePort\n  clusterIP: 10.96.0.22\n",
-            53,
-            Some(EMPTY),
-            5353,
-            &[],
-        ));
-        let ranged = udp(service_yaml(
-            "ranged",
-            "  type: LoadBalancer\n  clusterIP: 10.96.0.23\n  loadBalancerSourceRanges: [203.0.113.0/24]\n",
-            53,
-            None,
-            5353,
-            &eps,
-        ))
-        .replacen(
-            "\n---\n",
-            &format!("\nstatus:\n  loadBalancer:\n    ingress: [{{ip: {LB_IP}}}]\n---\n"),
-            1,
+        let s = Self(
+            dataplane_tests::sandbox::Sandbox::builder(Cluster::new())
+                .pods(&[("b", 1)])
+                .manifest("services.yaml", services)
+                .route_from_client("198.19.0.0/24", 0)
+                .route_from_client("10.96.0.0/16", 0)
+                .agents(1, |s, i| s.start_agent(BIN, i, &[])),
         );
-        let open = udp(service_yaml(
-            "open",
-            "  type: NodePort\n  clusterIP: 10.96.0.24\n",
-            53,
-            Some(OPEN),
-            5353,
-            &eps,
-        ));
-        let manifests = ManifestDir::new(cluster.prefix());
-        manifests.write(
-            "services.yaml",
-            &format!("{local_none}---\n{empty}---\n{ranged}---\n{open}"),
-        );
-        cluster.route_from_client("198.19.0.0/24", 0);
-        cluster.route_from_client("10.96.0.0/16", 0);
-        let agent = cluster.start_agent(BIN, 0, &manifests, &[]);
-        let s = Self {
-            agent,
-            _manifests: manifests,
-            cluster,
-        };
         s.wait_programmed();
         s
     }
@@ -107,23 +103,26 @@ impl Sandbox {
             self.node_port(OPEN).to_string(),
             format!("{LB_IP}:53"),
         ];
-        let deadline = std::time::Instant::now() + Duration::from_secs(20);
-        loop {
+        let inspect = || {
             let out = std::process::Command::new(BIN)
                 .args(["inspect", "--bpffs-dir", &self.pins(), "-o", "json", "services"])
                 .output()
                 .expect("run inspect");
-            let text = String::from_utf8_lossy(&out.stdout);
-            if out.status.success() && wanted.iter().all(|w| text.contains(&format!("\"{w}/UDP\""))) {
-                return;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "not programmed in 20 s: {text}\n{}",
-                self.agent.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stdout).into_owned(),
+            )
+        };
+        dataplane_tests::poll_until(
+            Duration::from_secs(20),
+            Duration::from_millis(100),
+            "the agent programs the Services",
+            || {
+                let (ok, text) = inspect();
+                ok && wanted.iter().all(|w| text.contains(&format!("\"{w}/UDP\"")))
+            },
+            || format!("{}\n{}", inspect().1, self.agents[0].log_text()),
+        );
     }
 
     fn pins(&self) -> String {
@@ -162,7 +161,7 @@ impl Sandbox {
                 Ok(line) => said.push(line),
                 Err(_) => {
                     let _ = child.kill();
-                    panic!("monitor did not start: {said:?}\n{}", self.agent.log_text());
+                    panic!("monitor did not start: {said:?}\n{}", self.agents[0].log_text());
                 }
             }
         }
@@ -398,7 +397,7 @@ fn a_monitor_keeps_following_across_an_agent_restart() {
     let mut s = Sandbox::new();
     let m = s.monitor(&["--count", "2", "--seconds", "60"]);
     s.send(s.node_port(LOCAL_NONE), 1);
-    s.agent.restart(s.cluster.nodes[0].ns());
+    s.restart_agent(0);
     s.wait_programmed();
     s.send(s.node_port(EMPTY), 1);
     let (lines, said) = m.lines();
@@ -410,7 +409,7 @@ fn a_monitor_keeps_following_across_an_agent_restart() {
         reasons,
         ["drop_no_local_endpoint", "reject_no_endpoints"],
         "{said}\n{}",
-        s.agent.log_text()
+        s.agents[0].log_text()
     );
 }
 
@@ -518,15 +517,17 @@ fn trace_events_show_translated_packets_before_and_after() {
         map.get(&0, 0).unwrap()
     };
     assert_eq!(ctl().sample, 1, "the killed reader's request is still there");
-    let deadline = std::time::Instant::now()
-        + Duration::from_nanos(dataplane_common::monitor::LEASE_NS)
-        + Duration::from_secs(10);
-    while ctl().sample != 0 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the kernel kept sampling for a reader long gone"
-        );
-        s.send(frontend, 1);
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    // A packet every 100 ms until the kernel, the lease run out, stops.
+    dataplane_tests::poll_until(
+        Duration::from_nanos(dataplane_common::monitor::LEASE_NS) + Duration::from_secs(10),
+        Duration::from_millis(100),
+        "the kernel stops sampling for a reader long gone",
+        || {
+            ctl().sample == 0 || {
+                s.send(frontend, 1);
+                false
+            }
+        },
+        || format!("sample {}", ctl().sample),
+    );
 }

@@ -16,9 +16,9 @@ use dataplane_agent::{
 use dataplane_common::stats::Event;
 use dataplane_tests::{
     cluster::{Cluster, Wiring},
-    echo::{EchoServer, TcpClient, UdpClient, tcp_request, udp_request},
+    echo::{TcpClient, UdpClient, tcp_request, udp_request},
     sctp::{SctpEcho, sctp_request},
-    services::{EXTERNAL_VIP_RANGE, NodeDatapath, TestEndpoint, TestService},
+    services::{EXTERNAL_VIP_RANGE, TestEndpoint, TestService},
 };
 
 const BACKEND_TCP: u16 = 8080;
@@ -29,11 +29,9 @@ const EXTERNAL_IP: Ipv4Addr = Ipv4Addr::new(198, 19, 0, 20);
 
 /// Two pods ("a" on node1, "b" on node2) with TCP and UDP echo servers, the
 /// datapath on both nodes, the client routing the VIP range via node1.
-struct Sandbox {
-    _servers: Vec<EchoServer>,
-    nodes: Vec<NodeDatapath>,
-    cluster: Cluster,
-}
+struct Sandbox(dataplane_tests::sandbox::Sandbox);
+
+dataplane_tests::deref_sandbox!(Sandbox, 0);
 
 impl Sandbox {
     fn new() -> Self {
@@ -47,32 +45,13 @@ impl Sandbox {
     /// Pods, servers and datapaths on a cluster wired as `wiring`, the
     /// ingress path attached as `mode` says.
     fn wired(pods: &[(&str, usize)], wiring: Wiring, mode: XdpMode) -> Self {
-        let mut cluster = Cluster::with_wiring(wiring);
-        for (name, node) in pods {
-            cluster.add_pod(*node, name);
-        }
-        let mut servers = Vec::new();
-        for p in &cluster.pods {
-            servers.push(EchoServer::tcp(
-                &p.ns,
-                &p.name,
-                SocketAddrV4::new(p.ip, BACKEND_TCP),
-            ));
-            servers.push(EchoServer::udp(
-                &p.ns,
-                &p.name,
-                SocketAddrV4::new(p.ip, BACKEND_UDP),
-            ));
-        }
-        let nodes = (0..2)
-            .map(|i| cluster.start_datapath_with(i, &small_maps(), mode))
-            .collect();
-        cluster.route_from_client(EXTERNAL_VIP_RANGE, 0);
-        Self {
-            _servers: servers,
-            nodes,
-            cluster,
-        }
+        let s = dataplane_tests::sandbox::Sandbox::builder(Cluster::with_wiring(wiring))
+            .pods(pods)
+            .tcp_echo(BACKEND_TCP)
+            .udp_echo(BACKEND_UDP)
+            .datapaths(|c, i| c.start_datapath_with(i, &small_maps(), mode));
+        s.cluster.route_from_client(EXTERNAL_VIP_RANGE, 0);
+        Self(s)
     }
 
     fn ep(&self, pod: &str, port: u16) -> TestEndpoint {
@@ -81,7 +60,7 @@ impl Sandbox {
     }
 
     fn program_all(&mut self, services: &[&TestService]) {
-        for n in &mut self.nodes {
+        for n in &mut self.datapaths {
             n.program(services);
         }
     }
@@ -93,7 +72,7 @@ impl Sandbox {
     /// Every non-zero counter of both nodes, for failure messages.
     fn report(&self) -> String {
         let mut out = String::new();
-        for (i, n) in self.nodes.iter().enumerate() {
+        for (i, n) in self.datapaths.iter().enumerate() {
             for (e, c) in n.datapath.maps().counters().unwrap() {
                 if c.packets > 0 {
                     out.push_str(&format!("node{} {}={} ", i + 1, e.name(), c.packets));
@@ -104,7 +83,7 @@ impl Sandbox {
     }
 
     fn counter(&self, node: usize, e: Event) -> u64 {
-        self.nodes[node].datapath.maps().counter(e).unwrap().packets
+        self.datapaths[node].datapath.maps().counter(e).unwrap().packets
     }
 }
 
@@ -284,7 +263,7 @@ fn nodeport_local_policy_preserves_client_ip_and_drops_without_local_backend() {
     // Trusting no device's word (what the agent writes while external
     // devices' programs change, and for devices stacked with another hook),
     // egress looks again: the same flows, no fewer served.
-    s.nodes[0]
+    s.datapaths[0]
         .datapath
         .maps_mut()
         .set_hint_devices(&Default::default())
@@ -535,7 +514,7 @@ fn veth_nodes_without_xdp_on_the_peer_get_every_verdict() {
 fn native_xdp_gets_every_verdict() {
     let s = Sandbox::wired(&[("a", 0), ("b", 1)], Wiring::Wire, XdpMode::Native);
     assert_eq!(
-        s.nodes[0]
+        s.datapaths[0]
             .datapath
             .maps()
             .received(dataplane_common::stats::Hook::TcIngress)
