@@ -183,13 +183,31 @@ fn insert<F: Family>(key: &CtKey<F::A>, e: &CtEntry<F::A>, flags: u32) -> Result
     Ok(())
 }
 
+/// A conntrack entry found in its map, valid for this program run. Outside
+/// `ct`, entries are read only through it: the one place a value pointer of
+/// the conntrack maps is dereferenced for them.
+#[derive(Clone, Copy)]
+pub struct Entry<A>(*mut CtEntry<A>);
+
+impl<A: Copy> Entry<A> {
+    /// The entry's fields. Other CPUs may update them meanwhile: read what
+    /// is needed once, and keep no reference across [`touch`].
+    #[inline(always)]
+    pub fn get(&self) -> &CtEntry<A> {
+        // SAFETY: a value pointer the map returned during this run (the
+        // kernel keeps a looked-up element alive until the program
+        // returns); plain-old-data.
+        unsafe { &*self.0 }
+    }
+}
+
 /// The live entry for `key` in the LRU, if any (expired entries are
 /// ignored: the LRU reclaims them, the agent collects their assured
 /// copies). Where an assured flow must not be missed because the LRU
 /// evicted its entry, [`lookup_restoring`].
 #[inline(always)]
-pub fn lookup<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, now: u64) -> Option<*mut CtEntry<F::A>> {
-    live(cfg, key, F::ct().get_ptr_mut(key)?, now)
+pub fn lookup<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, now: u64) -> Option<Entry<F::A>> {
+    live(cfg, key, F::ct().get_ptr_mut(key)?, now).map(Entry)
 }
 
 /// [`lookup`], restoring an assured flow's evicted entry from its copy:
@@ -197,12 +215,8 @@ pub fn lookup<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, now: u64) -> Option<
 /// packet path's, each direction). Not everywhere: each call site costs
 /// the verifier the restore's paths again.
 #[inline(always)]
-pub fn lookup_restoring<F: Family>(
-    cfg: &DpConfig,
-    key: &CtKey<F::A>,
-    now: u64,
-) -> Option<*mut CtEntry<F::A>> {
-    live(cfg, key, get::<F>(key)?, now)
+pub fn lookup_restoring<F: Family>(cfg: &DpConfig, key: &CtKey<F::A>, now: u64) -> Option<Entry<F::A>> {
+    live(cfg, key, get::<F>(key)?, now).map(Entry)
 }
 
 #[inline(always)]
@@ -222,7 +236,8 @@ fn live<A: Addr>(cfg: &DpConfig, key: &CtKey<A>, e: *mut CtEntry<A>, now: u64) -
 /// reverse of this entry's key. The common case (nothing new, refreshed
 /// within the second) is a few compares inline; the rest is a subprogram.
 #[inline(always)]
-pub fn touch<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp_flags: u8) {
+pub fn touch<F: Family>(key: &CtKey<F::A>, e: Entry<F::A>, now: u64, tcp_flags: u8) {
+    let e = e.0;
     // SAFETY: a map value pointer, valid for this run; plain reads.
     let (last, flags, replied) = unsafe { ((*e).last_seen_ns, (*e).flags, (*e).state[state::REPLIED]) };
     let tcp = key.proto == proto::TCP;
@@ -640,7 +655,8 @@ pub fn create_dsr<F: Family>(t: &CtKey<F::A>, choice: &Choice<F::A>, now: u64) -
 /// got an answer (see [`dsr_answered`]), and refreshes it at most once a
 /// second; no other entry to keep in step.
 #[inline(always)]
-pub fn touch_dsr<F: Family>(key: &CtKey<F::A>, e: *mut CtEntry<F::A>, now: u64, tcp_flags: u8) {
+pub fn touch_dsr<F: Family>(key: &CtKey<F::A>, e: Entry<F::A>, now: u64, tcp_flags: u8) {
+    let e = e.0;
     // SAFETY: a map value pointer, valid for this run; plain reads.
     let (last, flags, state) = unsafe { ((*e).last_seen_ns, (*e).flags, (*e).state) };
     let tcp = key.proto == proto::TCP;
@@ -842,4 +858,36 @@ impl Claim {
     pub fn won(self) -> bool {
         matches!(self, Claim::Free | Claim::TakenOver | Claim::TupleTakenOver)
     }
+}
+
+/// A hashed SNAT flow's `REP_IN` entry between `backend` and `client` (its
+/// key is built in the scratch space); with `RESTORE`, put back from its
+/// assured copy if the LRU evicted it ([`lookup_restoring`]: the packet
+/// path's lookups, not the ICMP errors').
+#[inline(always)]
+pub fn hashed_rep_in<F: Family, const RESTORE: bool>(
+    cfg: &DpConfig,
+    backend: F::A,
+    backend_port: u16,
+    client: F::A,
+    client_port: u16,
+    proto: u8,
+    now: u64,
+) -> Option<Entry<F::A>> {
+    let port = snat_port_hash(
+        client,
+        client_port,
+        cfg.snat_hash_seed,
+        cfg.snat_port_min,
+        cfg.snat_port_max,
+    );
+    let s = scratch::<F>()?;
+    s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), proto);
+    let e = if RESTORE {
+        lookup_restoring::<F>(cfg, &s.key, now)?
+    } else {
+        lookup::<F>(cfg, &s.key, now)?
+    };
+    let en = e.get();
+    (en.role() == ct_flags::REP_IN && en.nat_daddr == client && en.nat_dport == client_port).then_some(e)
 }

@@ -266,16 +266,9 @@ pub fn decap<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> Event {
     let mut target = None;
     let mut service_id = 0;
     if let Some(e) = ct::lookup::<F>(cfg, &t, now) {
-        // SAFETY: a map value pointer, valid for this run; fields copied.
-        let (role, flags, daddr, dport, sid) = unsafe {
-            (
-                (*e).role(),
-                (*e).flags,
-                (*e).nat_daddr,
-                (*e).nat_dport,
-                (*e).service_id,
-            )
-        };
+        let en = e.get();
+        let (role, flags, daddr, dport, sid) =
+            (en.role(), en.flags, en.nat_daddr, en.nat_dport, en.service_id);
         if role == ct_flags::FWD_IN && flags & (ct_flags::DSR | ct_flags::SNAT) == 0 && daddr == backend {
             target = Some((daddr, dport, 0u32));
             service_id = sid;

@@ -213,21 +213,18 @@ pub fn translate_error<C: Ctx, F: Family>(
 fn flow_of<F: Family>(cfg: &DpConfig, q: &CtKey<F::A>, now: u64) -> Option<(CtEntry<F::A>, bool)> {
     let rev = q.reversed();
     if let Some(e) = ct::lookup::<F>(cfg, &rev, now) {
-        // SAFETY: a map value pointer; copied.
-        let e = unsafe { *e };
+        let e = *e.get();
         return Some((e, e.role() != ct_flags::FWD_OUT));
     }
     // Hashed SNAT flows: `q` forwarded from the client (backend's REP_IN
     // names the client) ...
-    let as_forward = hashed_rep_in::<F, false>(cfg, q.daddr, q.dport, q.saddr, q.sport, q.proto, now);
+    let as_forward = ct::hashed_rep_in::<F, false>(cfg, q.daddr, q.dport, q.saddr, q.sport, q.proto, now);
     if let Some(e) = as_forward {
-        // SAFETY: a map value pointer; copied.
-        return Some((unsafe { *e }, true));
+        return Some((*e.get(), true));
     }
     // ... or a reply after un-SNAT: its quote becomes REP_IN's key.
-    let e = hashed_rep_in::<F, false>(cfg, q.saddr, q.sport, q.daddr, q.dport, q.proto, now)?;
-    // SAFETY: as above.
-    let e = unsafe { *e };
+    let e = ct::hashed_rep_in::<F, false>(cfg, q.saddr, q.sport, q.daddr, q.dport, q.proto, now)?;
+    let e = *e.get();
     let port = snat_port_hash(
         q.daddr,
         q.dport,
@@ -246,39 +243,6 @@ fn flow_of<F: Family>(cfg: &DpConfig, q: &CtKey<F::A>, now: u64) -> Option<(CtEn
         },
         false,
     ))
-}
-
-/// A hashed SNAT flow's `REP_IN` entry between `backend` and `client` (its
-/// key is built in the scratch space); with `RESTORE`, put back from its
-/// assured copy if the LRU evicted it (`ct::lookup_restoring`: the packet
-/// path's lookups, not the ICMP errors').
-#[inline(always)]
-pub fn hashed_rep_in<F: Family, const RESTORE: bool>(
-    cfg: &DpConfig,
-    backend: F::A,
-    backend_port: u16,
-    client: F::A,
-    client_port: u16,
-    proto: u8,
-    now: u64,
-) -> Option<*mut CtEntry<F::A>> {
-    let port = snat_port_hash(
-        client,
-        client_port,
-        cfg.snat_hash_seed,
-        cfg.snat_port_min,
-        cfg.snat_port_max,
-    );
-    let s = ct::scratch::<F>()?;
-    s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), proto);
-    let e = if RESTORE {
-        ct::lookup_restoring::<F>(cfg, &s.key, now)?
-    } else {
-        ct::lookup::<F>(cfg, &s.key, now)?
-    };
-    // SAFETY: a map value pointer, valid for this run.
-    let en = unsafe { &*e };
-    (en.role() == ct_flags::REP_IN && en.nat_daddr == client && en.nat_dport == client_port).then_some(e)
 }
 
 /// The error types worth translating, and the offset of the quoted
@@ -440,8 +404,7 @@ fn restore_source<C: Ctx, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, l4: usi
     let ports: [u16; 2] = load(ctx, inner_l4)?;
     let q = CtKey::new(saddr, daddr, ports[0], ports[1], inner_proto);
     let e = ct::lookup::<F>(cfg, &q, ct::now())?;
-    // SAFETY: a map value pointer; fields copied.
-    let (role, flags) = unsafe { ((*e).role(), (*e).flags) };
+    let (role, flags) = (e.get().role(), e.get().flags);
     if !((role == ct_flags::FWD_IN && flags & ct_flags::DSR == 0) || role == ct_flags::REP_IN) {
         return Some(false);
     }

@@ -359,11 +359,10 @@ fn ingress_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> 
     }
     let now = ct::now_inline();
     if let Some(e) = ct::lookup_restoring::<F>(cfg, t, now) {
-        // SAFETY: a map value pointer, valid for this run. The fields the
-        // path needs are copied out; no reference outlives this block (touch
-        // writes through `e` below).
-        let (role, closed, daddr, dport, service_id, flags) = unsafe {
-            let en = &*e;
+        // The fields the path needs, copied out: no reference outlives
+        // this (touch writes the entry below).
+        let (role, closed, daddr, dport, service_id, flags) = {
+            let en = e.get();
             (
                 en.role(),
                 en.tcp_closed(),
@@ -398,8 +397,7 @@ fn ingress_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize) -> 
                     // What egress would do next, for XDP to do it: the
                     // frontend on a reply, the SNAT address and port on a
                     // masqueraded flow's packet.
-                    // SAFETY: as above.
-                    let (saddr, sport) = unsafe { ((*e).nat_saddr, (*e).nat_sport) };
+                    let (saddr, sport) = (e.get().nat_saddr, e.get().nat_sport);
                     let what = if role == ct_flags::REP_IN {
                         forward::SRC
                     } else if snat {
@@ -630,7 +628,7 @@ fn egress_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, expl
     // entry, from the packet alone. Forward: source → node : port (it
     // counted for its service where it entered).
     if to_backend
-        && icmp::hashed_rep_in::<F, true>(cfg, t.daddr, t.dport, t.saddr, t.sport, t.proto, now).is_some()
+        && ct::hashed_rep_in::<F, true>(cfg, t.daddr, t.dport, t.saddr, t.sport, t.proto, now).is_some()
     {
         let port = snat_port_hash(
             t.saddr,
@@ -646,10 +644,9 @@ fn egress_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, expl
     }
     // Reply: source → frontend.
     if from_backend
-        && let Some(e) = icmp::hashed_rep_in::<F, true>(cfg, t.saddr, t.sport, t.daddr, t.dport, t.proto, now)
+        && let Some(e) = ct::hashed_rep_in::<F, true>(cfg, t.saddr, t.sport, t.daddr, t.dport, t.proto, now)
     {
-        // SAFETY: a map value pointer, valid for this run; fields copied.
-        let (saddr, sport) = unsafe { ((*e).nat_saddr, (*e).nat_sport) };
+        let (saddr, sport) = (e.get().nat_saddr, e.get().nat_sport);
         return match nat::rewrite::<C, F>(ctx, pkt, Side::Src, &saddr, sport) {
             Some(()) => Step::done(C::PASS, Event::Reply),
             None => Step::done(C::PASS, Event::Malformed),
@@ -660,11 +657,9 @@ fn egress_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, expl
     let Some(e) = ct::lookup_restoring::<F>(cfg, t, now) else {
         return Step::done(C::PASS, Event::Pass);
     };
-    // SAFETY: a map value pointer, valid for this run. The fields needed
-    // are copied out; no reference outlives this block (touch writes
-    // through `e` below).
-    let (role, flags, saddr, sport) = unsafe {
-        let en = &*e;
+    // Copied out: touch writes the entry below.
+    let (role, flags, saddr, sport) = {
+        let en = e.get();
         (en.role(), en.flags, en.nat_saddr, en.nat_sport)
     };
     if role != ct_flags::REP_OUT && role != ct_flags::FWD_OUT {

@@ -362,8 +362,7 @@ fn snat_port_names_client<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, snat: &F::
     let Some(e) = ct::lookup::<F>(cfg, &key, ct::now_inline()) else {
         return false;
     };
-    // SAFETY: a map value pointer, valid for this run.
-    let e = unsafe { &*e };
+    let e = e.get();
     e.role() == ct_flags::REP_IN && e.nat_daddr == t.saddr && e.nat_dport == t.sport
 }
 
