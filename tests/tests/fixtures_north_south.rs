@@ -20,10 +20,11 @@ use dataplane_common::{
 };
 use dataplane_tests::{
     fixture::{
-        Expect, Fixture, TC, Table, XDP, XDP_PASS, flow_stat, reopen_connections, run, run_as, run_table,
+        Expect, Fixture, TC, Table, Verdicts, XDP, XDP_PASS, flow_stat, reopen_connections, run, run_as,
+        run_table,
     },
     for_both_families,
-    packet::{Frame, TCP_ACK, TCP_FIN, TCP_SYN, parse_and_verify},
+    packet::{Frame, Parsed, TCP_ACK, TCP_FIN, TCP_SYN, parse_and_verify},
     plan::{Family, IcmpError, Plan, V4, datapath},
     testrun,
 };
@@ -432,6 +433,48 @@ fn masqueraded_flows_and_replies(p: &Plan) {
 }
 
 /// Egress hooks know a flow by the tuple between client and backend alone.
+/// One backend's flows through the ingress program `p` and TC egress, as
+/// the client-port reuse tests open and answer them.
+struct Flows<'a> {
+    dp: &'a Datapath,
+    p: Verdicts,
+    backend: SocketAddr,
+}
+
+impl<'a> Flows<'a> {
+    fn new(dp: &'a Datapath, p: Verdicts, backend: SocketAddr) -> Self {
+        Self { dp, p, backend }
+    }
+
+    fn ingress(&self, input: &[u8]) -> (u32, Vec<u8>) {
+        run_as(self.dp, self.p, input)
+    }
+
+    fn egress(&self, input: &[u8]) -> Parsed {
+        let (v, out, _) = testrun::run(self.dp.tc(names::TC_EGRESS).unwrap(), input, 1);
+        assert_eq!(v, 0, "TC_ACT_OK");
+        parse_and_verify(&out)
+    }
+
+    /// A SYN from `client` to `frontend`: the source the backend sees (the
+    /// SNAT address and port when masqueraded).
+    fn open(&self, client: SocketAddr, frontend: SocketAddr) -> SocketAddr {
+        let (v, out) = self.ingress(&Frame::tcp(client, frontend, TCP_SYN).build());
+        assert_eq!(v, self.p.pass, "{}: SYN {client} -> {frontend}", self.p.program);
+        assert_eq!(parse_and_verify(&out).dst_addr(), self.backend);
+        self.egress(&out).src_addr()
+    }
+
+    /// The backend's packet to `seen` (its view of the client), as the
+    /// client receives it: (source, destination).
+    fn reply(&self, seen: SocketAddr, flags: u8) -> (SocketAddr, SocketAddr) {
+        let (v, out) = self.ingress(&Frame::tcp(self.backend, seen, flags).build());
+        assert_eq!(v, self.p.pass);
+        let o = self.egress(&out);
+        (o.src_addr(), o.dst_addr())
+    }
+}
+
 /// Two flows from one client address and port to one backend through
 /// different frontends (a masqueraded NodePort and an eTP=Local LB IP, or
 /// two masqueraded ones) have the same such tuple: once the first has closed, the second takes the
@@ -443,62 +486,43 @@ fn client_port_reused(pl: &Plan) {
     let sa = |ip, port| pl.sa(ip, port);
     for p in [XDP, TC] {
         let dp = datapath(pl);
-        let egress = |input: &[u8]| {
-            let (v, out, _) = testrun::run(dp.tc(names::TC_EGRESS).unwrap(), input, 1);
-            assert_eq!(v, 0, "TC_ACT_OK");
-            parse_and_verify(&out)
-        };
-        let ingress = |input: &[u8]| {
-            let (v, out) = run_as(&dp, p, input);
-            (v, out)
-        };
-        let backend = sa(pl.local_pod, 8080);
+        let flows = Flows::new(&dp, p, sa(pl.local_pod, 8080));
         let node_port = sa(pl.node, 30084);
         let lb = sa(pl.lb_local, 80);
-        // (forward packet as it leaves towards the backend, SNAT source).
-        let open = |client: SocketAddr, frontend: SocketAddr| {
-            let (v, out) = ingress(&Frame::tcp(client, frontend, TCP_SYN).build());
-            assert_eq!(v, p.pass, "{}: SYN {client} -> {frontend}", p.program);
-            assert_eq!(parse_and_verify(&out).dst_addr(), backend);
-            egress(&out).src_addr()
-        };
-        // The backend's packet to `seen` (its view of the client), as the
-        // client receives it.
-        let reply = |seen: SocketAddr, flags: u8| {
-            let (v, out) = ingress(&Frame::tcp(backend, seen, flags).build());
-            assert_eq!(v, p.pass);
-            let o = egress(&out);
-            (o.src_addr(), o.dst_addr())
-        };
 
         // 1. Masqueraded, then closed (FIN each way).
         let client = sa(pl.client, 43000);
-        let snat = open(client, node_port);
+        let snat = flows.open(client, node_port);
         assert_eq!(snat.ip(), pl.node, "{}: masqueraded", p.program);
-        assert_eq!(reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
-        let (v, _) = ingress(&Frame::tcp(client, node_port, TCP_FIN | TCP_ACK).build());
+        assert_eq!(flows.reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
+        let (v, _) = flows.ingress(&Frame::tcp(client, node_port, TCP_FIN | TCP_ACK).build());
         assert_eq!(v, p.pass);
-        assert_eq!(reply(snat, TCP_FIN | TCP_ACK), (node_port, client));
+        assert_eq!(flows.reply(snat, TCP_FIN | TCP_ACK), (node_port, client));
         // The same client port to the LB IP (eTP=Local: client kept): not
         // masqueraded, replies from the LB IP.
         assert_eq!(
-            open(client, lb),
+            flows.open(client, lb),
             client,
             "{}: not masqueraded as the closed flow",
             p.program
         );
-        assert_eq!(reply(client, TCP_SYN | TCP_ACK), (lb, client), "{}", p.program);
+        assert_eq!(
+            flows.reply(client, TCP_SYN | TCP_ACK),
+            (lb, client),
+            "{}",
+            p.program
+        );
 
         // 2. The other order: unmasqueraded and closed, then masqueraded.
         let client = sa(pl.client, 43001);
-        assert_eq!(open(client, lb), client);
-        let (v, _) = ingress(&Frame::tcp(client, lb, TCP_FIN | TCP_ACK).build());
+        assert_eq!(flows.open(client, lb), client);
+        let (v, _) = flows.ingress(&Frame::tcp(client, lb, TCP_FIN | TCP_ACK).build());
         assert_eq!(v, p.pass);
-        assert_eq!(reply(client, TCP_FIN | TCP_ACK), (lb, client));
-        let snat = open(client, node_port);
+        assert_eq!(flows.reply(client, TCP_FIN | TCP_ACK), (lb, client));
+        let snat = flows.open(client, node_port);
         assert_eq!(snat.ip(), pl.node, "{}: masqueraded", p.program);
         assert_eq!(
-            reply(snat, TCP_SYN | TCP_ACK),
+            flows.reply(snat, TCP_SYN | TCP_ACK),
             (node_port, client),
             "{}",
             p.program
@@ -508,38 +532,38 @@ fn client_port_reused(pl: &Plan) {
         // dropped, the first keeps its translation.
         let dropped = || dp.maps().counter(Event::DropTupleClash).unwrap().packets;
         let client = sa(pl.client, 43002);
-        let snat = open(client, node_port);
-        let (v, _) = ingress(&Frame::tcp(client, lb, TCP_SYN).build());
+        let snat = flows.open(client, node_port);
+        let (v, _) = flows.ingress(&Frame::tcp(client, lb, TCP_SYN).build());
         assert_eq!(v, p.drop, "{}: a live flow holds the tuple", p.program);
         assert_eq!(dropped(), 1);
-        assert_eq!(reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
-        let (v, out) = ingress(&Frame::tcp(client, node_port, TCP_ACK).build());
+        assert_eq!(flows.reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
+        let (v, out) = flows.ingress(&Frame::tcp(client, node_port, TCP_ACK).build());
         assert_eq!(v, p.pass);
-        assert_eq!(egress(&out).src_addr(), snat);
+        assert_eq!(flows.egress(&out).src_addr(), snat);
 
         let client = sa(pl.client, 43003);
-        assert_eq!(open(client, lb), client);
-        let (v, _) = ingress(&Frame::tcp(client, node_port, TCP_SYN).build());
+        assert_eq!(flows.open(client, lb), client);
+        let (v, _) = flows.ingress(&Frame::tcp(client, node_port, TCP_SYN).build());
         assert_eq!(v, p.drop, "{}: a live flow holds the tuple", p.program);
         assert_eq!(dropped(), 2);
-        assert_eq!(reply(client, TCP_SYN | TCP_ACK), (lb, client));
+        assert_eq!(flows.reply(client, TCP_SYN | TCP_ACK), (lb, client));
 
         // 4. Both masqueraded (NodePort, then the LB IP of the same
         // Service): closed, the tuple is taken over; live, a clash.
         let lb_cluster = sa(pl.lb_cluster_local, 80);
         let client = sa(pl.client, 43004);
-        let snat = open(client, node_port);
-        let (v, _) = ingress(&Frame::tcp(client, lb_cluster, TCP_SYN).build());
+        let snat = flows.open(client, node_port);
+        let (v, _) = flows.ingress(&Frame::tcp(client, lb_cluster, TCP_SYN).build());
         assert_eq!(v, p.drop, "{}: a live flow holds the tuple", p.program);
         assert_eq!(dropped(), 3);
-        assert_eq!(reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
-        let (v, _) = ingress(&Frame::tcp(client, node_port, TCP_FIN | TCP_ACK).build());
+        assert_eq!(flows.reply(snat, TCP_SYN | TCP_ACK), (node_port, client));
+        let (v, _) = flows.ingress(&Frame::tcp(client, node_port, TCP_FIN | TCP_ACK).build());
         assert_eq!(v, p.pass);
-        assert_eq!(reply(snat, TCP_FIN | TCP_ACK), (node_port, client));
-        let snat = open(client, lb_cluster);
+        assert_eq!(flows.reply(snat, TCP_FIN | TCP_ACK), (node_port, client));
+        let snat = flows.open(client, lb_cluster);
         assert_eq!(snat.ip(), pl.node);
         assert_eq!(
-            reply(snat, TCP_SYN | TCP_ACK),
+            flows.reply(snat, TCP_SYN | TCP_ACK),
             (lb_cluster, client),
             "{}",
             p.program
@@ -559,45 +583,32 @@ fn client_port_reused_through_a_cluster_ip(pl: &Plan) {
     let sa = |ip, port| pl.sa(ip, port);
     for p in [XDP, TC] {
         let dp = datapath(pl);
-        let egress = |input: &[u8]| {
-            let (v, out, _) = testrun::run(dp.tc(names::TC_EGRESS).unwrap(), input, 1);
-            assert_eq!(v, 0, "TC_ACT_OK");
-            parse_and_verify(&out)
-        };
-        let ingress = |input: &[u8]| run_as(&dp, p, input);
-        let backend = sa(pl.local_pod, 8080);
+        let flows = Flows::new(&dp, p, sa(pl.local_pod, 8080));
         let (cip, lb) = (sa(pl.service_ip(10), 80), sa(pl.lb_local, 80));
-        let open = |client: SocketAddr, frontend: SocketAddr| {
-            let (v, out) = ingress(&Frame::tcp(client, frontend, TCP_SYN).build());
-            assert_eq!(v, p.pass, "{}: SYN {client} -> {frontend}", p.program);
-            assert_eq!(parse_and_verify(&out).dst_addr(), backend);
-            egress(&out).src_addr()
-        };
-        let reply = |seen: SocketAddr, flags: u8| {
-            let (v, out) = ingress(&Frame::tcp(backend, seen, flags).build());
-            assert_eq!(v, p.pass);
-            let o = egress(&out);
-            (o.src_addr(), o.dst_addr())
-        };
         let client = sa(pl.client, 43100);
-        let snat = open(client, cip);
+        let snat = flows.open(client, cip);
         assert_eq!(snat.ip(), pl.node, "{}: masqueraded", p.program);
         // Live: the LB IP from the same port is a clash.
-        let (v, _) = ingress(&Frame::tcp(client, lb, TCP_SYN).build());
+        let (v, _) = flows.ingress(&Frame::tcp(client, lb, TCP_SYN).build());
         assert_eq!(v, p.drop, "{}", p.program);
         assert_eq!(dp.maps().counter(Event::DropTupleClash).unwrap().packets, 1);
-        assert_eq!(reply(snat, TCP_SYN | TCP_ACK), (cip, client));
+        assert_eq!(flows.reply(snat, TCP_SYN | TCP_ACK), (cip, client));
         // Closed: the LB IP flow takes the tuple over.
-        let (v, _) = ingress(&Frame::tcp(client, cip, TCP_FIN | TCP_ACK).build());
+        let (v, _) = flows.ingress(&Frame::tcp(client, cip, TCP_FIN | TCP_ACK).build());
         assert_eq!(v, p.pass);
-        assert_eq!(reply(snat, TCP_FIN | TCP_ACK), (cip, client));
+        assert_eq!(flows.reply(snat, TCP_FIN | TCP_ACK), (cip, client));
         assert_eq!(
-            open(client, lb),
+            flows.open(client, lb),
             client,
             "{}: not masqueraded as the closed flow",
             p.program
         );
-        assert_eq!(reply(client, TCP_SYN | TCP_ACK), (lb, client), "{}", p.program);
+        assert_eq!(
+            flows.reply(client, TCP_SYN | TCP_ACK),
+            (lb, client),
+            "{}",
+            p.program
+        );
     }
 }
 
