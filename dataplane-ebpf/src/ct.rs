@@ -745,13 +745,7 @@ pub fn clear_tuple<F: Family>(cfg: &DpConfig, t: &CtKey<F::A>, choice: &Choice<F
     if choice.snat {
         return Event::NewFlow;
     }
-    let port = snat_port_hash(
-        t.saddr,
-        t.sport,
-        cfg.snat_hash_seed,
-        cfg.snat_port_min,
-        cfg.snat_port_max,
-    );
+    let port = hashed_port(cfg, t.saddr, t.sport);
     s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), t.proto);
     if let Some(e) = F::ct().get_ptr(&s.key) {
         copy_entry(&mut s.a, e);
@@ -860,6 +854,20 @@ impl Claim {
     }
 }
 
+/// The SNAT port a masqueraded flow from `client:client_port` takes when it
+/// is free (network order in the packet: callers convert), from the
+/// agent's seed and port range: the one formula the agent computes too.
+#[inline(always)]
+pub fn hashed_port<A: Addr>(cfg: &DpConfig, client: A, client_port: u16) -> u16 {
+    snat_port_hash(
+        client,
+        client_port,
+        cfg.snat_hash_seed,
+        cfg.snat_port_min,
+        cfg.snat_port_max,
+    )
+}
+
 /// A hashed SNAT flow's `REP_IN` entry between `backend` and `client` (its
 /// key is built in the scratch space); with `RESTORE`, put back from its
 /// assured copy if the LRU evicted it ([`lookup_restoring`]: the packet
@@ -874,13 +882,7 @@ pub fn hashed_rep_in<F: Family, const RESTORE: bool>(
     proto: u8,
     now: u64,
 ) -> Option<Entry<F::A>> {
-    let port = snat_port_hash(
-        client,
-        client_port,
-        cfg.snat_hash_seed,
-        cfg.snat_port_min,
-        cfg.snat_port_max,
-    );
+    let port = hashed_port(cfg, client, client_port);
     let s = scratch::<F>()?;
     s.key = CtKey::new(backend, F::snat_ip(cfg), backend_port, port.to_be(), proto);
     let e = if RESTORE {

@@ -5,7 +5,7 @@
 use dataplane_common::{
     addr::Addr,
     config::DpConfig,
-    ct::{CtEntry, CtKey, ct_flags, snat_port_hash},
+    ct::{CtEntry, CtKey, ct_flags},
     proto,
     stats::Event,
 };
@@ -225,13 +225,7 @@ fn flow_of<F: Family>(cfg: &DpConfig, q: &CtKey<F::A>, now: u64) -> Option<(CtEn
     // ... or a reply after un-SNAT: its quote becomes REP_IN's key.
     let e = ct::hashed_rep_in::<F, false>(cfg, q.saddr, q.sport, q.daddr, q.dport, q.proto, now)?;
     let e = *e.get();
-    let port = snat_port_hash(
-        q.daddr,
-        q.dport,
-        cfg.snat_hash_seed,
-        cfg.snat_port_min,
-        cfg.snat_port_max,
-    );
+    let port = ct::hashed_port(cfg, q.daddr, q.dport);
     Some((
         CtEntry {
             // Reversed below: backend → node : port.

@@ -11,7 +11,7 @@
 use dataplane_common::{
     addr::Addr,
     config::{DpConfig, config_flags},
-    ct::{ct_flags, snat_port_hash},
+    ct::ct_flags,
     filter::{BACKENDS, FRONTENDS},
     hint::{self, Hint},
     proto,
@@ -630,13 +630,7 @@ fn egress_family<C: Forward, F: Family>(ctx: &C, cfg: &DpConfig, l3: usize, expl
     if to_backend
         && ct::hashed_rep_in::<F, true>(cfg, t.daddr, t.dport, t.saddr, t.sport, t.proto, now).is_some()
     {
-        let port = snat_port_hash(
-            t.saddr,
-            t.sport,
-            cfg.snat_hash_seed,
-            cfg.snat_port_min,
-            cfg.snat_port_max,
-        );
+        let port = ct::hashed_port(cfg, t.saddr, t.sport);
         return match nat::rewrite::<C, F>(ctx, pkt, Side::Src, &F::snat_ip(cfg), port.to_be()) {
             Some(()) => Step::done(C::PASS, Event::Established),
             None => Step::done(C::PASS, Event::Malformed),

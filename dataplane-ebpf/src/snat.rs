@@ -22,7 +22,7 @@
 use aya_ebpf::helpers::bpf_get_prandom_u32;
 use dataplane_common::{
     config::DpConfig,
-    ct::{CtKey, SnatCursor, ct_flags, snat_port_hash},
+    ct::{CtKey, SnatCursor, ct_flags},
     limits,
     stats::{Event, FlowStat},
 };
@@ -73,7 +73,7 @@ fn search<F: Family>(
     if max < min || snat_ip == Default::default() {
         return Err(Event::DropSnatExhausted);
     }
-    let hashed = snat_port_hash(t.saddr, t.sport, cfg.snat_hash_seed, min, max);
+    let hashed = ct::hashed_port(cfg, t.saddr, t.sport);
     s.key = CtKey::new(s.a.nat_daddr, snat_ip, s.a.nat_dport, hashed.to_be(), t.proto);
     let outcome = ct::claim::<F>(cfg, &s.key, &s.b, now, Some(t), true);
     match outcome {
